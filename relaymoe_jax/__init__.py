@@ -1,0 +1,22 @@
+"""RelayMoE in JAX: ring-based expert-parallel MoE layers with gradient relay.
+
+Shape letters used in names: B batch, S sequence, T tokens, D model width, F expert FFN width, E experts (global),
+L experts per ring partition (E / N), K top-k, R rows of one hop chunk, P token–expert pairs (T·K),
+N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-all).
+
+    idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
+    y_TD = moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh, dispatcher="ring_expert")
+"""
+
+from relaymoe_jax.all_to_all import AllToAll
+from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.dense import Dense, dense_moe
+from relaymoe_jax.layout import ExpertLayout
+from relaymoe_jax.moe import DISPATCHERS, make_dispatcher, moe_ffn
+from relaymoe_jax.ring_expert import RingExpert
+from relaymoe_jax.routing import RouterAux, route
+
+__all__ = [
+    "AllToAll", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RouterAux", "TENSOR",
+    "dense_moe", "make_dispatcher", "moe_ffn", "route",
+]

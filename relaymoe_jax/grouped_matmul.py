@@ -1,0 +1,46 @@
+"""Grouped-matmul backends and the SwiGLU expert built on them.
+
+No communication. A backend computes out[m] = lhs[m] @ rhs[g(m)] for rows grouped contiguously by group_sizes;
+rows past sum(group_sizes) are unspecified (callers mask them). `xla` is `lax.ragged_dot`, which runs everywhere
+(on CPU and, without a kernel, on GPU it is a dense masked dot: G× the work); faster kernels register here.
+"""
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class GroupedMatmul(Protocol):
+
+  def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, precision) -> jax.Array:
+    ...
+
+
+def _xla_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, precision):
+  return jax.lax.ragged_dot(
+      lhs_MK, rhs_GKN, group_sizes_G, precision=precision, preferred_element_type=preferred_element_type)
+
+
+BACKENDS: dict[str, GroupedMatmul] = {"xla": _xla_ragged_dot}
+
+
+def get_backend(name) -> GroupedMatmul:
+  if name not in BACKENDS:
+    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted(BACKENDS)}")
+  return BACKENDS[name]
+
+
+def matmul_precision(dtype):
+  """float32 runs at full precision (no TF32 on GPU) so the oracle comparison is tight; others use the default."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def expert_swiglu(x_RD, w_gate_LDF, w_up_LDF, w_down_LFD, sizes_L, *, backend="xla") -> jax.Array:
+  """down(silu(x·gate) · (x·up)) for rows grouped by expert; float32 result, float32 accumulation."""
+  gmm: Callable = get_backend(backend)
+  kw = dict(preferred_element_type=jnp.float32, precision=matmul_precision(x_RD.dtype))
+  gate_RF = gmm(x_RD, w_gate_LDF, sizes_L, **kw)
+  up_RF = gmm(x_RD, w_up_LDF, sizes_L, **kw)
+  act_RF = (jax.nn.silu(gate_RF) * up_RF).astype(x_RD.dtype)
+  return gmm(act_RF, w_down_LFD, sizes_L, **kw)

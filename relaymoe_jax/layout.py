@@ -1,0 +1,95 @@
+"""Where tokens and experts live on the mesh, and the small shard_map helpers every dispatcher uses.
+
+No communication of its own. Tokens (dim 0 of x_TD, idx_TK, w_TK) are split over `token_axes`; experts (dim 0 of
+every expert weight) over `expert_axis`, which must be one of the token axes so that the ring's devices hold
+different tokens. Weights are replicated over the other token axes (data parallel), so their gradients are summed
+over those axes.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from relaymoe_jax.axes import EXPERT
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+  """Mesh and axis roles of one MoE block call. Hashable, so compiled helpers can be cached on it."""
+
+  mesh: jax.sharding.Mesh
+  expert_axis: str = EXPERT
+  token_axes: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    names = tuple(self.mesh.axis_names)
+    if self.expert_axis not in names:
+      raise ValueError(f"expert_axis {self.expert_axis!r} is not an axis of the mesh {names}")
+    if not self.token_axes:
+      object.__setattr__(self, "token_axes", names)
+    for axis in self.token_axes:
+      if axis not in names:
+        raise ValueError(f"token axis {axis!r} is not an axis of the mesh {names}")
+    if self.expert_axis not in self.token_axes:
+      raise ValueError(f"expert_axis {self.expert_axis!r} must be one of the token axes {self.token_axes}")
+
+  @property
+  def ring_size(self):
+    return self.mesh.shape[self.expert_axis]
+
+  @property
+  def token_shards(self):
+    return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+  @property
+  def replica_axes(self):
+    """Token axes over which expert weights are replicated: weight gradients are summed over these."""
+    return tuple(a for a in self.token_axes if a != self.expert_axis)
+
+  @property
+  def token_spec(self):
+    return P(self.token_axes)
+
+  @property
+  def expert_spec(self):
+    return P(self.expert_axis)
+
+  def place(self, x, spec):
+    """Reshards x to spec. Explicit meshes need it before shard_map; Auto meshes let shard_map do it."""
+    if any(t == AxisType.Explicit for t in self.mesh.axis_types):
+      return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+    return x
+
+  def shard_map(self, f, in_specs, out_specs):
+    return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+def ring_perm(n, shift=1):
+  """ppermute pairs sending device r to r + shift (mod n)."""
+  return [(r, (r + shift) % n) for r in range(n)]
+
+
+def partition_at_hop(r, h, n):
+  """The partition device r works on at hop h: weights move r → r+1, so it is the one that started at r − h."""
+  return (r - h) % n
+
+
+def varying_zeros(shape, dtype, axes):
+  """Zeros typed as varying over `axes`, as shard_map's check_vma wants for loop carries and cotangents."""
+  return jax.lax.pcast(jnp.zeros(shape, dtype), tuple(axes), to="varying") if axes else jnp.zeros(shape, dtype)
+
+
+def varying_axes(x):
+  """Mesh axes x varies over inside shard_map (the attribute moved between JAX releases)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return manual.varying if manual is not None else aval.vma
+
+
+def vary_like(x, axes):
+  """x cast to varying over whichever of `axes` it is not already varying over."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x

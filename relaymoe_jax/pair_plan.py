@@ -1,0 +1,63 @@
+"""Per-device token–expert pair plan, shared by every sharded dispatcher.
+
+No communication. The T·K pairs of this device are sorted by expert id once; only int32 indices are sorted, never
+a [T·K, D] activation copy. The pairs of the L experts of one partition then form one contiguous range.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class PairPlan(NamedTuple):
+  """Expert-sorted pairs of one device.
+
+  Attributes:
+    order_P: int32, flat pair index t·K + k of each sorted position (P = T·K).
+    counts_E: int32, number of pairs per expert.
+  """
+
+  order_P: jax.Array
+  counts_E: jax.Array
+
+  def tokens(self, top_k):
+    """int32 token index of each sorted pair."""
+    return self.order_P // top_k
+
+  def partition(self, p, experts_per_partition):
+    """(start, count, sizes_L): the sorted range of partition p's pairs and its per-expert group sizes."""
+    num_l = experts_per_partition
+    sizes_L = jax.lax.dynamic_slice_in_dim(self.counts_E, p * num_l, num_l)
+    start = jnp.sum(jnp.where(jnp.arange(self.counts_E.shape[0]) < p * num_l, self.counts_E, 0))
+    return start, jnp.sum(sizes_L), sizes_L
+
+
+def make_pair_plan(idx_TK, num_experts):
+  """Sorts this device's pairs by expert (stable, so token order is kept within an expert)."""
+  expert_P = idx_TK.reshape(-1).astype(jnp.int32)
+  order_P = jnp.argsort(expert_P, stable=True).astype(jnp.int32)
+  counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_P].add(1)
+  return PairPlan(order_P=order_P, counts_E=counts_E)
+
+
+def sorted_pair_weights(plan, w_TK):
+  """Router weight of each sorted pair: a [T·K] gather, not an activation copy."""
+  return w_TK.reshape(-1)[plan.order_P]
+
+
+def unsort_pair_values(plan, v_P, shape_TK):
+  """Inverse of `sorted_pair_weights`: puts per-pair values back in [T, K] order."""
+  return jnp.zeros(v_P.shape, v_P.dtype).at[plan.order_P].set(v_P).reshape(shape_TK)
+
+
+def chunk_group_sizes(sizes_L, offset, rows):
+  """Group sizes of rows [offset, offset + rows) of a range whose groups have sizes_L.
+
+  Rows past the range's end belong to no group, so the sizes sum to the chunk's valid row count.
+  """
+  ends_L = jnp.cumsum(sizes_L)
+  begins_L = ends_L - sizes_L
+  lo_L = jnp.maximum(begins_L, offset)
+  hi_L = jnp.minimum(ends_L, offset + rows)
+  return jnp.maximum(hi_L - lo_L, 0).astype(jnp.int32)

@@ -1,0 +1,56 @@
+"""Qwen3 router: softmax over all experts in float32, top-k, optional renormalisation.
+
+No communication of its own: it runs on global arrays and XLA partitions it along the token sharding.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class RouterAux(NamedTuple):
+  """Router statistics for the training losses and logs.
+
+  Attributes:
+    load_balancing_loss: E · Σ_e f_e · P_e with f_e = (pairs routed to e) / T and P_e the mean router probability
+      of e, exactly as Hugging Face's Qwen3-MoE `load_balancing_loss_func` computes it (K under uniform routing).
+    expert_counts_E: int32 number of token–expert pairs routed to each expert.
+    z_loss: mean over tokens of logsumexp(logits)², the router z-loss of ST-MoE.
+  """
+
+  load_balancing_loss: jax.Array
+  expert_counts_E: jax.Array
+  z_loss: jax.Array
+
+
+def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
+  """Chooses top_k experts per token.
+
+  Args:
+    x_TD: tokens, any float dtype.
+    router_DE: router weight (no bias).
+    top_k: experts per token, 1 ≤ top_k ≤ E.
+    norm_topk_prob: renormalise the k probabilities to sum to one (Qwen3 default).
+
+  Returns:
+    (idx_TK int32 expert ids, w_TK router weights in x's dtype, RouterAux).
+  """
+  if x_TD.ndim != 2 or router_DE.ndim != 2 or x_TD.shape[1] != router_DE.shape[0]:
+    raise ValueError(f"route expects x_TD [T, D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
+  num_experts = router_DE.shape[1]
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k={top_k} must be between 1 and the number of experts E={num_experts}")
+  logits_TE = jnp.dot(x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  w_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
+  if norm_topk_prob:
+    w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
+  counts_E = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=jnp.int32), axis=(0, 1))
+  fraction_E = counts_E.astype(jnp.float32) / x_TD.shape[0]
+  aux = RouterAux(
+      load_balancing_loss=num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=0)),
+      expert_counts_E=counts_E,
+      z_loss=jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2),
+  )
+  return idx_TK.astype(jnp.int32), w_TK.astype(x_TD.dtype), aux
