@@ -41,6 +41,7 @@ class _RingSpec:
   top_k: int
   chunk_rows: int
   backend: str
+  static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
 
   @property
   def experts_per_device(self):
@@ -53,21 +54,27 @@ class _ChunkRows(NamedTuple):
   sizes_L: jax.Array  # group sizes of the valid rows
 
 
-def _for_each_chunk(start, count, sizes_L, chunk_rows, body, carry):
-  """carry = body(rows, carry) over sorted pairs [start, start + count), chunk_rows at a time."""
+def _for_each_chunk(start, count, sizes_L, chunk_rows, body, carry, static_chunks=None):
+  """carry = body(rows, carry) over sorted pairs [start, start + count), chunk_rows at a time.
+
+  The chunk count is data-dependent (a while loop), so any skew is computed without drops or padding. A while
+  loop cannot be reverse-differentiated; `static_chunks` runs a fixed count instead, for the autodiff ablation.
+  """
   iota_R = jnp.arange(chunk_rows, dtype=jnp.int32)
 
-  def step(state):
-    c, carry = state
+  def step(c, carry):
     offset = c * chunk_rows
     rows = _ChunkRows(
         pos_R=start + offset + iota_R,
         valid_R=offset + iota_R < count,
         sizes_L=chunk_group_sizes(sizes_L, offset, chunk_rows),
     )
-    return c + 1, body(rows, carry)
+    return body(rows, carry)
 
-  return jax.lax.while_loop(lambda s: s[0] * chunk_rows < count, step, (jnp.int32(0), carry))[1]
+  if static_chunks is not None:
+    return jax.lax.fori_loop(0, static_chunks, step, carry)
+  return jax.lax.while_loop(lambda s: s[0] * chunk_rows < count, lambda s: (s[0] + 1, step(*s)),
+                            (jnp.int32(0), carry))[1]
 
 
 def _hop_range(spec, plan, h):
@@ -91,7 +98,7 @@ def _forward_hop(spec, x_TD, plan, tok_P, w_P, acc_TD, h, weights):
     y_RD = jnp.where(rows.valid_R[:, None], y_RD * w_P[pos_R].astype(jnp.float32)[:, None], 0.0)
     return acc_TD.at[tok_R].add(y_RD)
 
-  return _for_each_chunk(start, count, sizes_L, spec.chunk_rows, chunk, acc_TD)
+  return _for_each_chunk(start, count, sizes_L, spec.chunk_rows, chunk, acc_TD, spec.static_chunks)
 
 
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
@@ -192,6 +199,9 @@ def _ring_expert_fn(spec):
   backward = layout.shard_map(functools.partial(_backward_device, spec=spec),
                               in_specs=(tok, tok, exp, exp, exp, tok, tok, tok), out_specs=(tok, tok, exp, exp, exp))
 
+  if spec.static_chunks is not None:
+    return lambda *args: forward(*args)[0]
+
   @jax.custom_vjp
   def ring(x_TD, idx_TK, w_TK, w_gate, w_up, w_down):
     return forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)[0]
@@ -215,10 +225,14 @@ class RingExpert:
   Attributes:
     chunk_rows: R, rows of one grouped-matmul chunk; default the balanced share ceil(T·K/N) rounded up to 128.
     backend: grouped-matmul backend name (see `grouped_matmul.BACKENDS`).
+    recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
+      intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
+      forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.
   """
 
   chunk_rows: int | None = None
   backend: str = "xla"
+  recompute: bool = True
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     tokens_per_device = x_TD.shape[0] // layout.token_shards
@@ -226,6 +240,7 @@ class RingExpert:
     chunk_rows = self.chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size)
     if chunk_rows < 1:
       raise ValueError(f"chunk_rows={chunk_rows} must be positive")
+    static_chunks = None if self.recompute else math.ceil(tokens_per_device * top_k / chunk_rows)
     spec = _RingSpec(layout=layout, num_experts=w_gate_EDF.shape[0], top_k=top_k, chunk_rows=chunk_rows,
-                     backend=self.backend)
+                     backend=self.backend, static_chunks=static_chunks)
     return _ring_expert_fn(spec)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -1,0 +1,134 @@
+"""Compile-only per-device memory of one MoE layer, fwd+bwd: ring_expert against all-to-all.
+
+    python -m benchmarks.moe_memory [--devices 8] [--quick]
+
+Nothing runs: each variant is lowered and compiled for the emulated CPU devices and XLA's `memory_analysis()` gives
+the per-device peak of live temporaries. On XLA:CPU `lax.ragged_dot` is a dense masked dot, which inflates every
+variant's grouped-matmul temporaries by L (experts per device); the ratios between variants are what this shows.
+Prints a table and writes JSON under benchmarks/results/.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+
+if __name__ == "__main__" and "jax" not in sys.modules:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import relaymoe_jax as rm
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+  tokens_per_device: int
+  d_model: int
+  d_ff: int
+  num_experts: int
+  top_k: int
+
+
+VARIANTS = {
+    "ring_expert": ("ring_expert", {}),
+    "ring_expert_autodiff": ("ring_expert", {"recompute": False}),
+    "a2a_dropless": ("all_to_all", {}),
+    "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
+}
+
+
+def expert_mesh(num_devices):
+  return jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), (rm.EXPERT,))
+
+
+def fwd_bwd_memory(variant, shape, mesh, dtype=jnp.float32):
+  """Compiled per-device bytes (temporaries, arguments, outputs) of value_and_grad through one MoE layer."""
+  dispatcher, options = VARIANTS[variant]
+  t = shape.tokens_per_device * mesh.size
+  e, d, f, k = shape.num_experts, shape.d_model, shape.d_ff, shape.top_k
+  tok, exp = NamedSharding(mesh, P(rm.EXPERT)), NamedSharding(mesh, P(rm.EXPERT))
+  args = (jax.ShapeDtypeStruct((t, d), dtype, sharding=tok), jax.ShapeDtypeStruct((t, k), jnp.int32, sharding=tok),
+          jax.ShapeDtypeStruct((t, k), dtype, sharding=tok), jax.ShapeDtypeStruct((e, d, f), dtype, sharding=exp),
+          jax.ShapeDtypeStruct((e, d, f), dtype, sharding=exp), jax.ShapeDtypeStruct((e, f, d), dtype, sharding=exp))
+
+  def loss(x, idx, w, wg, wu, wd):
+    y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
+    return jnp.sum(y.astype(jnp.float32))
+
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5)))
+  analysis = grad_fn.lower(*args).compile().memory_analysis()
+  return dict(temp_bytes=int(analysis.temp_size_in_bytes), argument_bytes=int(analysis.argument_size_in_bytes),
+              output_bytes=int(analysis.output_size_in_bytes))
+
+
+def grid(quick):
+  """The paper's scaling grid (K 4–16, E 64/128, F 512–2048 at D 2048) scaled to CPU by 1/8 in D and F."""
+  tokens = 512 if quick else 1024
+  ks = (8,) if quick else (4, 8, 12, 16)
+  es = (64,) if quick else (64, 128)
+  return [LayerShape(tokens_per_device=tokens, d_model=256, d_ff=96, num_experts=e, top_k=k) for e in es for k in ks]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--quick", action="store_true", help="one shape (K8, E64), for a smoke run")
+  parser.add_argument("--out", default=os.path.join(RESULTS, "moe_memory.json"))
+  args = parser.parse_args(argv)
+  mesh = expert_mesh(args.devices)
+  rows = []
+  for shape in grid(args.quick):
+    row = dict(dataclasses.asdict(shape), ep=args.devices)
+    for variant in VARIANTS:
+      row[variant] = fwd_bwd_memory(variant, shape, mesh)
+    rows.append(row)
+    print(_format_row(row), flush=True)
+  meta = dict(machine=platform.machine(), python=platform.python_version(), jax=jax.__version__,
+              backend=jax.default_backend(), devices=args.devices, dtype="float32",
+              xla_flags=os.environ.get("XLA_FLAGS", ""), measure="compile-only memory_analysis().temp_size_in_bytes")
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as fh:
+    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+  table = render_table(rows, meta)
+  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
+    fh.write(table + "\n")
+  print(table)
+
+
+def _mib(b):
+  return f"{b / 2**20:9.2f}"
+
+
+def _format_row(row):
+  temps = {v: row[v]["temp_bytes"] for v in VARIANTS}
+  ring = temps["ring_expert"]
+  return (f"| {row['ep']:>2} | {row['num_experts']:>3} | {row['top_k']:>2} | {row['tokens_per_device']:>5} | "
+          + " | ".join(_mib(temps[v]) for v in VARIANTS)
+          + f" | {temps['a2a_dropless'] / ring:6.2f} | {temps['a2a_cf1'] / ring:6.2f} |"
+          + f" {temps['ring_expert_autodiff'] / ring:6.2f} |")
+
+
+def render_table(rows, meta):
+  head = ("| EP |   E |  K | T/dev | " + " | ".join(f"{v} MiB" for v in VARIANTS)
+          + " | dropless/ring | cf1/ring | autodiff/ring |")
+  lines = [f"# moe_memory: fwd+bwd compiled temporaries per device ({meta['backend']}, jax {meta['jax']}, "
+           f"python {meta['python']}, {meta['dtype']}, D=256 F=96)", head,
+           "|" + "|".join("---" for _ in head.split("|")[1:-1]) + "|"]
+  lines += [_format_row(r) for r in rows]
+  pick = next((r for r in rows if r["top_k"] == 8), rows[0])
+  ring, a2a = pick["ring_expert"]["temp_bytes"], pick["a2a_dropless"]["temp_bytes"]
+  lines.append(f"summary: moe_memory ep={pick['ep']} k={pick['top_k']} ring_temp_bytes={ring} a2a_temp_bytes={a2a} "
+               f"ratio={a2a / ring:.2f}")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

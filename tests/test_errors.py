@@ -1,0 +1,52 @@
+"""Bad input gets a ValueError that names the bad value."""
+
+import jax.numpy as jnp
+import pytest
+
+import relaymoe_jax as rm
+from conftest import mesh_of, random_layer
+
+ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
+
+def _call(layer, mesh, **kw):
+  return rm.moe_ffn(*(layer[a] for a in ARGS), mesh=mesh, **kw)
+
+
+def _with(**changes):
+  layer = random_layer(0, 32, 8, 12, 8, 2)
+  layer.update({k: v(layer) for k, v in changes.items()})
+  return layer
+
+
+BAD = [
+    ("E not divisible", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][:6], w_up_EDF=lambda l: l["w_up_EDF"][:6],
+                             w_down_EFD=lambda l: l["w_down_EFD"][:6]), {}, "E=6 experts is not divisible by the size 4"),
+    ("top_k > E", dict(idx_TK=lambda l: jnp.zeros((32, 9), jnp.int32), w_TK=lambda l: jnp.zeros((32, 9))), {},
+     "top_k=9"),
+    ("w_TK shape", dict(w_TK=lambda l: l["w_TK"][:, :1]), {}, "w_TK"),
+    ("w_down shape", dict(w_down_EFD=lambda l: jnp.swapaxes(l["w_down_EFD"], 1, 2)), {}, "w_down_EFD"),
+    ("x rank", dict(x_TD=lambda l: l["x_TD"][None]), {}, "x_TD"),
+    ("float idx", dict(idx_TK=lambda l: l["idx_TK"].astype(jnp.float32)), {}, "idx_TK must hold integer"),
+    ("dtype mismatch", dict(w_up_EDF=lambda l: l["w_up_EDF"].astype(jnp.bfloat16)), {}, "w_up_EDF"),
+    ("T not divisible", dict(x_TD=lambda l: l["x_TD"][:30], idx_TK=lambda l: l["idx_TK"][:30],
+                             w_TK=lambda l: l["w_TK"][:30]), {}, "T=30 tokens"),
+    ("unknown dispatcher", {}, dict(dispatcher="ring_sideways"), "unknown dispatcher 'ring_sideways'"),
+    ("unknown option", {}, dict(dispatcher="ring_expert", capacity_factor=1.0), "capacity_factor"),
+    ("missing expert axis", {}, dict(expert_axis="experts"), "expert_axis 'experts' is not an axis"),
+    ("missing token axis", {}, dict(token_axes=("expert", "batch")), "token axis 'batch'"),
+    ("bad capacity", {}, dict(dispatcher="all_to_all", capacity_factor=0.0), "capacity_factor=0.0"),
+    ("bad backend", {}, dict(dispatcher="ring_expert", backend="cutlass"), "backend 'cutlass'"),
+]
+
+
+@pytest.mark.parametrize("changes,kwargs,message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_named(changes, kwargs, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    _call(_with(**changes), mesh_of((4,), (rm.EXPERT,)), **kwargs)
+
+
+@pytest.mark.parametrize("top_k", [0, 9])
+def test_route_rejects_top_k_out_of_range(top_k):
+  with pytest.raises(ValueError, match=f"top_k={top_k}"):
+    rm.route(jnp.ones((4, 3)), jnp.ones((3, 8)), top_k=top_k)

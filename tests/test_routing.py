@@ -1,0 +1,56 @@
+"""`route` against a NumPy transcription of Qwen3's router (softmax in float32, top-k, renormalise) and of Hugging
+Face's load-balancing loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import relaymoe_jax as rm
+
+
+def numpy_route(x, router, top_k, norm):
+  logits = x.astype(np.float64) @ router.astype(np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  idx = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+  w = np.take_along_axis(probs, idx, -1)
+  if norm:
+    w = w / w.sum(-1, keepdims=True)
+  num_e = router.shape[1]
+  mask = np.eye(num_e)[idx]  # [T, K, E], as HF's one_hot(selected_experts)
+  lb = num_e * np.sum(mask.mean(0) * probs.mean(0)[None])
+  lse = np.log(np.exp(logits).sum(-1))
+  return idx, w, lb, mask.sum((0, 1)), np.mean(lse ** 2)
+
+
+@pytest.mark.parametrize("top_k,norm", [(1, False), (2, True), (8, True), (8, False)])
+def test_route_matches_numpy(top_k, norm):
+  rng = np.random.default_rng(top_k)
+  x, router = rng.normal(size=(48, 12)).astype(np.float32), rng.normal(size=(12, 16)).astype(np.float32)
+  idx, w, aux = rm.route(jnp.asarray(x), jnp.asarray(router), top_k=top_k, norm_topk_prob=norm)
+  idx_ref, w_ref, lb_ref, counts_ref, z_ref = numpy_route(x, router, top_k, norm)
+  assert idx.dtype == jnp.int32 and w.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(idx), idx_ref)
+  np.testing.assert_allclose(np.asarray(w), w_ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(aux.load_balancing_loss), lb_ref, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(aux.expert_counts_E), counts_ref)
+  np.testing.assert_allclose(float(aux.z_loss), z_ref, rtol=1e-4)
+
+
+def test_load_balancing_loss_is_k_under_uniform_router():
+  """All-equal logits: P_e = 1/E and f_e = K/E, so E · Σ f·P = K, HF's value for perfectly balanced routing."""
+  x = jnp.ones((32, 4))
+  _, _, aux = rm.route(x, jnp.zeros((4, 8)), top_k=2)
+  np.testing.assert_allclose(float(aux.load_balancing_loss), 2.0, rtol=1e-6)
+
+
+def test_route_keeps_bfloat16_and_is_differentiable():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(16, 8)), jnp.bfloat16)
+  router = jnp.asarray(rng.normal(size=(8, 4)), jnp.bfloat16)
+  _, w, _ = rm.route(x, router, top_k=2)
+  assert w.dtype == jnp.bfloat16
+  g = jax.grad(lambda r: jnp.sum(rm.route(x, r, top_k=2)[1].astype(jnp.float32) ** 2) +
+               rm.route(x, r, top_k=2)[2].load_balancing_loss)(router)
+  assert g.dtype == jnp.bfloat16 and float(jnp.max(jnp.abs(g.astype(jnp.float32)))) > 0
