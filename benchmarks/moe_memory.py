@@ -45,8 +45,14 @@ VARIANTS = {
 }
 
 
-def expert_mesh(num_devices):
-  return jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), (rm.EXPERT,))
+def expert_mesh(num_devices, backend="cpu"):
+  """A ring of emulated CPU devices by default: compile-only analysis needs no accelerator, and XLA:CPU's numbers
+  are the ones committed."""
+  devices = jax.devices(backend)
+  if len(devices) < num_devices:
+    raise ValueError(f"{num_devices} {backend} devices wanted, {len(devices)} present; set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={num_devices} before JAX starts")
+  return jax.sharding.Mesh(np.array(devices[:num_devices]), (rm.EXPERT,))
 
 
 def fwd_bwd_memory(variant, shape, mesh, dtype=jnp.float32):
@@ -80,10 +86,11 @@ def grid(quick):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--platform", default="cpu", help="devices to compile for (default: emulated CPU devices)")
   parser.add_argument("--quick", action="store_true", help="one shape (K8, E64), for a smoke run")
   parser.add_argument("--out", default=os.path.join(RESULTS, "moe_memory.json"))
   args = parser.parse_args(argv)
-  mesh = expert_mesh(args.devices)
+  mesh = expert_mesh(args.devices, args.platform)
   rows = []
   for shape in grid(args.quick):
     row = dict(dataclasses.asdict(shape), ep=args.devices)
@@ -91,8 +98,9 @@ def main(argv=None):
       row[variant] = fwd_bwd_memory(variant, shape, mesh)
     rows.append(row)
     print(_format_row(row), flush=True)
-  meta = dict(machine=platform.machine(), python=platform.python_version(), jax=jax.__version__,
-              backend=jax.default_backend(), devices=args.devices, dtype="float32",
+  meta = dict(command="python -m benchmarks.moe_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+              machine=platform.machine(), python=platform.python_version(), jax=jax.__version__,
+              backend=args.platform, devices=args.devices, dtype="float32",
               xla_flags=os.environ.get("XLA_FLAGS", ""), measure="compile-only memory_analysis().temp_size_in_bytes")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as fh:

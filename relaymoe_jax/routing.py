@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.grouped_matmul import matmul_precision
+
 
 class RouterAux(NamedTuple):
   """Router statistics for the training losses and logs.
@@ -41,7 +43,8 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   num_experts = router_DE.shape[1]
   if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k={top_k} must be between 1 and the number of experts E={num_experts}")
-  logits_TE = jnp.dot(x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+  logits_TE = jnp.dot(x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32,
+                      precision=matmul_precision(x_TD.dtype))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   w_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
   if norm_topk_prob:
