@@ -1,0 +1,1 @@
+"""Flax (NNX) models that call the relaymoe_jax MoE block."""

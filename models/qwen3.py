@@ -1,0 +1,307 @@
+"""Qwen3-MoE (and Qwen2-MoE options) in Flax NNX, matching Hugging Face's math so real checkpoints can be imported.
+
+Decoder layer: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)), where MLP is the MoE block
+(`relaymoe_jax.route` + `relaymoe_jax.moe_ffn`) or a dense SwiGLU on `mlp_only_layers` / off-`decoder_sparse_step`
+layers. Attention: GQA, per-head RMSNorm on q and k before RoPE (Qwen3), half-split RoPE over the full head_dim,
+scale head_dim^-0.5, causal, through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU).
+
+Parallel layout ("MoE parallel folding"): the same devices, a different layout per block. Attention and embeddings
+split the batch over ('data', 'expert') and heads / MLP width over 'tensor' (parameters optionally FSDP over
+'data'); the MoE block splits tokens over ('data', 'expert') and experts over 'expert', where the ring runs.
+All specs are in `PARAM_SPECS`.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import relaymoe_jax as rm
+from models.config import from_mapping, read_yaml
+from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+
+TOKEN_AXES = (DATA, EXPERT)
+FSDP = "fsdp"  # placeholder in PARAM_SPECS: DATA when FSDP is on, else replicated
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3MoEConfig:
+  """Architecture, with Hugging Face Qwen3MoeConfig / Qwen2MoeConfig names, plus the MoE dispatcher."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int  # dense-MLP layers
+  moe_intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  num_experts: int
+  num_experts_per_tok: int
+  norm_topk_prob: bool = True
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  attention_bias: bool = False  # Qwen2-MoE: q/k/v biases
+  qk_norm: bool = True  # Qwen3: RMSNorm on q and k heads; Qwen2-MoE: none
+  shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert with a sigmoid gate; 0 = none
+  tie_word_embeddings: bool = False
+  router_aux_loss_coef: float = 0.001
+  router_z_loss_coef: float = 0.0
+  initializer_range: float = 0.02
+  dtype: str = "bfloat16"  # compute
+  param_dtype: str = "float32"
+  # MoE block: dispatcher name and its own options (chunk_rows, capacity_factor, backend, ...).
+  dispatcher: str = "ring_expert"
+  dispatcher_options: tuple = ()  # given as a mapping in YAML; stored as sorted (key, value) pairs (hashable)
+  # Attention remat: one bool for every layer or one per layer (True = recompute in backward).
+  remat_attention: bool | tuple[bool, ...] = False
+  fsdp: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                       f"num_key_value_heads={self.num_key_value_heads}")
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                       f"{self.num_experts}]")
+    if self.dispatcher not in rm.DISPATCHERS:
+      raise ValueError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
+    remat = self.remat_attention
+    if isinstance(remat, tuple) and len(remat) != self.num_hidden_layers:
+      raise ValueError(f"remat_attention has {len(remat)} entries for {self.num_hidden_layers} layers")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+  def is_sparse(self, layer):
+    return (layer not in self.mlp_only_layers and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0)
+
+  def remat(self, layer):
+    return self.remat_attention if isinstance(self.remat_attention, bool) else self.remat_attention[layer]
+
+
+def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:
+  """A model config from a YAML file or a name under configs/models/ (e.g. "qwen3-30b-a3b", "tiny")."""
+  data = dict(read_yaml(path_or_name, "models"), **overrides)
+  return from_mapping(Qwen3MoEConfig, data, f"model config {path_or_name}")
+
+
+# One table of parameter PartitionSpecs, by parameter role (shape letters: V vocab, D model, H heads·head_dim,
+# G kv heads·head_dim, F MLP width, E experts, S shared-expert width).
+PARAM_SPECS = {
+    "embed_VD": P(None, FSDP),
+    "q_DH": P(FSDP, TENSOR), "kv_DG": P(FSDP, TENSOR), "o_HD": P(TENSOR, FSDP),
+    "bias_H": P(TENSOR), "head_norm": P(None), "norm_D": P(None),
+    "mlp_in_DF": P(FSDP, TENSOR), "mlp_out_FD": P(TENSOR, FSDP),
+    "router_DE": P(None, None), "shared_gate_D1": P(None, None),
+    "experts_in_EDF": P(EXPERT, None, None), "experts_out_EFD": P(EXPERT, None, None),
+    "lm_head_DV": P(FSDP, TENSOR),
+}
+
+
+def param_spec(role, fsdp):
+  spec = PARAM_SPECS[role]
+  return P(*((DATA if fsdp else None) if a == FSDP else a for a in spec))
+
+
+class _Layer(nnx.Module):
+  """Creates parameters annotated with their sharding role, and casts them to the compute dtype."""
+
+  def __init__(self, config):
+    self.config = config
+
+  def cast(self, p):
+    return p[...].astype(self.config.dtype)
+
+
+def _make_param(config, mesh, rngs, role, shape, init="normal"):
+  initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
+      init, nnx.initializers.normal(config.initializer_range))
+  spec = tuple(param_spec(role, config.fsdp))
+  return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), sharding=spec, mesh=mesh)
+
+
+def rms_norm(x, weight, eps):
+  """Hugging Face RMSNorm: normalise in float32, cast back, then scale."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x_BSNH, positions_BS, theta):
+  """Half-split rotary embedding (Hugging Face rotate_half) over the full head_dim, computed in float32."""
+  half = x_BSNH.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x_BSNH.shape[-1]))
+  angles = positions_BS[..., None].astype(jnp.float32) * inv_freq  # [B, S, half]
+  cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
+  x32 = x_BSNH.astype(jnp.float32)
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+  return (x32 * cos + rotated * sin).astype(x_BSNH.dtype)
+
+
+class RMSNorm(_Layer):
+
+  def __init__(self, config, dim, mesh, rngs, role="norm_D"):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    self.weight = param(role, (dim,), "ones")
+
+  def __call__(self, x):
+    return rms_norm(x, self.weight[...], self.config.rms_norm_eps)
+
+
+class Attention(_Layer):
+
+  def __init__(self, config, mesh, rngs):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    c = config
+    d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
+        "kv_DG", (d, hkv))
+    self.o_HD = param("o_HD", (hq, d))
+    if c.attention_bias:
+      self.q_bias, self.k_bias, self.v_bias = (param("bias_H", (n,), "zeros") for n in (hq, hkv, hkv))
+    if c.qk_norm:
+      self.q_norm, self.k_norm = (RMSNorm(c, c.head_dim, mesh, rngs, "head_norm"),
+                                   RMSNorm(c, c.head_dim, mesh, rngs, "head_norm"))
+
+  def __call__(self, x_BSD, positions_BS):
+    c = self.config
+    b, s, _ = x_BSD.shape
+
+    def project(w, bias_name, heads):
+      y = x_BSD @ self.cast(w)
+      if c.attention_bias:
+        y = y + self.cast(getattr(self, bias_name))
+      return y.reshape(b, s, heads, c.head_dim)
+
+    q = project(self.q_DH, "q_bias", c.num_attention_heads)
+    k = project(self.k_DG, "k_bias", c.num_key_value_heads)
+    v = project(self.v_DG, "v_bias", c.num_key_value_heads)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
+    out = jax.nn.dot_product_attention(q, k, v, scale=c.head_dim ** -0.5, is_causal=True)
+    return out.reshape(b, s, -1) @ self.cast(self.o_HD)
+
+
+def swiglu(x, w_in_gate, w_in_up, w_out):
+  return (jax.nn.silu(x @ w_in_gate) * (x @ w_in_up)) @ w_out
+
+
+class DenseMLP(_Layer):
+
+  def __init__(self, config, width, mesh, rngs):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    d = config.hidden_size
+    self.gate_DF, self.up_DF = param("mlp_in_DF", (d, width)), param("mlp_in_DF", (d, width))
+    self.down_FD = param("mlp_out_FD", (width, d))
+
+  def __call__(self, x):
+    return swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
+
+
+class MoE(_Layer):
+  """Router + experts through `relaymoe_jax`, plus the optional Qwen2-MoE shared expert."""
+
+  def __init__(self, config, mesh, rngs):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    c = config
+    d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    self.mesh = mesh
+    self.router_DE = param("router_DE", (d, e))
+    self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
+    self.w_down_EFD = param("experts_out_EFD", (e, f, d))
+    if c.shared_expert_intermediate_size:
+      self.shared = DenseMLP(c, c.shared_expert_intermediate_size, mesh, rngs)
+      self.shared_gate_D1 = param("shared_gate_D1", (d, 1))
+
+  def __call__(self, x_BSD):
+    c = self.config
+    b, s, d = x_BSD.shape
+    x_TD = x_BSD.reshape(b * s, d)
+    idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
+                                 norm_topk_prob=c.norm_topk_prob)
+    y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
+                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=c.dispatcher,
+                      token_axes=TOKEN_AXES, **dict(c.dispatcher_options))
+    if c.shared_expert_intermediate_size:
+      gate_T1 = jax.nn.sigmoid(x_TD @ self.cast(self.shared_gate_D1))
+      y_TD = y_TD + gate_T1 * self.shared(x_TD)
+    return y_TD.reshape(b, s, d), aux
+
+
+class DecoderLayer(_Layer):
+
+  def __init__(self, config, layer, mesh, rngs):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    self.layer = layer
+    self.input_norm = RMSNorm(config, config.hidden_size, mesh, rngs)
+    self.attn = Attention(config, mesh, rngs)
+    self.post_attention_norm = RMSNorm(config, config.hidden_size, mesh, rngs)
+    if config.is_sparse(layer):
+      self.mlp = MoE(config, mesh, rngs)
+    else:
+      self.mlp = DenseMLP(config, config.intermediate_size, mesh, rngs)
+
+  def __call__(self, x_BSD, positions_BS):
+    attend = lambda attn, x, pos: attn(x, pos)  # noqa: E731
+    if self.config.remat(self.layer):
+      attend = nnx.remat(attend)
+    h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS)
+    out = self.mlp(self.post_attention_norm(h))
+    if isinstance(self.mlp, MoE):
+      out, aux = out
+      return h + out, aux
+    return h + out, None
+
+
+class Qwen3MoE(_Layer):
+  """The language model: `logits_BSV = model(tokens_BS)` (float32 logits)."""
+
+  def __init__(self, config, *, mesh, rngs):
+    super().__init__(config)
+    param = functools.partial(_make_param, config, mesh, rngs)
+    self.mesh = mesh
+    self.embed_VD = param("embed_VD", (config.vocab_size, config.hidden_size))
+    self.layers = nnx.List([DecoderLayer(config, i, mesh, rngs) for i in range(config.num_hidden_layers)])
+    self.norm = RMSNorm(config, config.hidden_size, mesh, rngs)
+    if not config.tie_word_embeddings:
+      self.lm_head_DV = param("lm_head_DV", (config.hidden_size, config.vocab_size))
+
+  def __call__(self, tokens_BS):
+    return self.logits_and_aux(tokens_BS)[0]
+
+  def logits_and_aux(self, tokens_BS):
+    """(float32 logits [B, S, V], router losses averaged over the MoE layers: dict of scalars)."""
+    b, s = tokens_BS.shape
+    tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
+    x = self.cast(self.embed_VD)[tokens_BS]
+    positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    lb, z, sparse = 0.0, 0.0, 0
+    for layer in self.layers:
+      x, aux = layer(x, positions_BS)
+      if aux is not None:
+        lb, z, sparse = lb + aux.load_balancing_loss, z + aux.z_loss, sparse + 1
+    x = self.norm(x)
+    head = self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    sparse = max(sparse, 1)
+    return logits, {"load_balancing_loss": lb / sparse, "router_z_loss": z / sparse}
+
+
+def create_sharded(config, mesh, seed=0):
+  """Builds the model inside jit so each parameter is created directly with its sharding (no host copy)."""
+
+  return nnx.jit(lambda: Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(seed)))()

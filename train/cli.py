@@ -1,0 +1,63 @@
+"""`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config.
+
+    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume] [key=value ...]
+
+With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
+on 8 emulated CPU devices. Multi-process: pass --coordinator/--num-processes/--process-id (or set
+RELAYMOE_COORDINATOR, RELAYMOE_NUM_PROCESSES, RELAYMOE_PROCESS_ID); under SLURM they are detected.
+"""
+
+import argparse
+import os
+import sys
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(prog="relaymoe-train", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", help="run config: a YAML path or a name under configs/runs/")
+  parser.add_argument("--steps", type=int)
+  parser.add_argument("--out", help="output directory (metrics.jsonl, checkpoints/, tensorboard/)")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
+  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
+  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
+  parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
+  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  return parser.parse_args(argv)
+
+
+def _start_distributed(args, jax):
+  if args.coordinator:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    jax.distributed.initialize()  # JAX reads the SLURM environment
+
+
+def main(argv=None):
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  # Only the CPU platform reads this; on GPUs it changes nothing. It must be set before JAX starts.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+  import jax  # noqa: PLC0415
+
+  _start_distributed(args, jax)
+  from train.config import load_run_config  # noqa: PLC0415
+  from train.loop import run  # noqa: PLC0415
+
+  overrides = list(args.overrides)
+  if args.steps is not None:
+    overrides.append(f"steps={args.steps}")
+  if args.out:
+    overrides.append(f"out_dir={args.out}")
+  config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
+  history = run(config, resume=args.resume)
+  if jax.process_index() == 0 and history:
+    last = history[-1]
+    print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s); "
+          f"metrics in {config.out_dir}/metrics.jsonl")
+
+
+if __name__ == "__main__":
+  main()

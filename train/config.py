@@ -1,0 +1,85 @@
+"""Run configs: frozen dataclasses per concern, loaded from YAML under configs/runs/, unknown keys rejected by name."""
+
+import dataclasses
+
+from models.config import from_mapping, override, parse_assignment, read_yaml
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """Device counts per mesh axis; one axis may be -1 (all the devices left)."""
+
+  data: int = 1
+  expert: int = -1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """kind: synthetic (built-in language with a known entropy floor), tokens (pre-tokenised .bin), text (bytes)."""
+
+  kind: str = "synthetic"
+  path: str = ""
+  token_dtype: str = "uint16"  # tokens: uint16 or uint32
+  branching: int = 4  # synthetic: successors per token; the loss floor is ln(branching)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.kind not in ("synthetic", "tokens", "text"):
+      raise ValueError(f"data.kind={self.kind!r} must be one of synthetic, tokens, text")
+    if self.kind != "synthetic" and not self.path:
+      raise ValueError(f"data.kind={self.kind!r} needs data.path")
+    if self.token_dtype not in ("uint16", "uint32"):
+      raise ValueError(f"data.token_dtype={self.token_dtype!r} must be uint16 or uint32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+  """AdamW with linear warmup and cosine decay to min_lr_ratio · learning_rate; gradient clipping by global norm."""
+
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  model: str = "tiny"  # a name under configs/models/ or a YAML path
+  model_overrides: dict = dataclasses.field(default_factory=dict)  # any model-config key
+  dispatcher: str = ""  # overrides the model config's MoE dispatcher when set
+  mesh: MeshConfig = MeshConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  batch_size: int = 16  # global sequences per step
+  seq_len: int = 64
+  steps: int = 300
+  seed: int = 0
+  log_every: int = 10
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  out_dir: str = "runs/default"
+  tensorboard: bool = True
+  peak_tflops_per_device: float = 0.0  # for MFU; 0 = from the device kind where known
+
+  def __post_init__(self):
+    for name in ("batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
+    if self.steps < 0:
+      raise ValueError(f"steps={self.steps} must be ≥ 0")
+
+
+def load_run_config(path_or_name="default", overrides=()):
+  """A run config from YAML (a path, or a name under configs/runs/), then `key=value` overrides.
+
+  `model.KEY=VALUE` sets a model-config key (checked when the model config is built).
+  """
+  config = from_mapping(RunConfig, read_yaml(path_or_name, "runs"), f"run config {path_or_name}")
+  config = override(config, [a for a in overrides if not a.startswith("model.")])
+  model_keys = dict(parse_assignment(a[len("model."):]) for a in overrides if a.startswith("model."))
+  return dataclasses.replace(config, model_overrides={**config.model_overrides, **model_keys})

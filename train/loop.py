@@ -1,0 +1,220 @@
+"""The training loop: mesh, model, data, the jitted step, one-step-late metrics, checkpoints and logs."""
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from models import qwen3
+from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from train.config import RunConfig
+from train.data import make_source
+from train.step import TrainState, make_optimizer, make_train_step, model_flops_per_token
+
+MESH_AXES = (DATA, EXPERT, TENSOR)
+# Dense bf16 peak per device, for MFU, by device kind.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def build_mesh(mesh_config, devices=None):
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = [getattr(mesh_config, a) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices cannot be split as {dict(zip(MESH_AXES, sizes))}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices; there are "
+                     f"{len(devices)}")
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def model_config_for(run):
+  overrides = dict(run.model_overrides)
+  if run.dispatcher:
+    overrides["dispatcher"] = run.dispatcher
+  return qwen3.load_config(run.model, **overrides)
+
+
+def global_batch(tokens, mesh):
+  """The same global numpy batch on every process → one global array split over the token axes."""
+  sharding = NamedSharding(mesh, P(qwen3.TOKEN_AXES, None))
+  return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def host_scalars(metrics):
+  """Replicated scalars to Python floats (works when the array is not fully addressable, i.e. multi-process)."""
+  return {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+
+
+class Checkpoints:
+  """orbax CheckpointManager: async saves of {state, meta}; a save is atomic (written aside, then renamed), so a
+  crash mid-save leaves the previous checkpoint as the latest."""
+
+  def __init__(self, directory, keep):
+    self.directory = pathlib.Path(directory).absolute()
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=True))
+
+  def save(self, step, state, meta):
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def restore(self, like_state):
+    step = self.manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                  meta=ocp.args.JsonRestore()))
+    return restored.state, restored.meta
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+class MetricsLog:
+  """metrics.jsonl (every logged step), TensorBoard, and a progress bar; only process 0 writes."""
+
+  def __init__(self, out_dir, total_steps, start_step, tensorboard):
+    self.active = jax.process_index() == 0
+    self.path = pathlib.Path(out_dir) / "metrics.jsonl"
+    self.writer = self.bar = None
+    if not self.active:
+      return
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process needs it)
+      self.writer = SummaryWriter(str(pathlib.Path(out_dir) / "tensorboard"))
+    from tqdm import tqdm  # noqa: PLC0415
+    self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+  def write(self, record):
+    if not self.active:
+      return
+    with self.path.open("a") as fh:
+      fh.write(json.dumps(record) + "\n")
+    if self.writer:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self.writer.add_scalar(key, value, record["step"])
+    postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                   tflops_dev=f"{record['tflops_per_device']:.3g}",
+                   mem_gib=f"{record['peak_memory_bytes'] / 2**30:.2f}")
+    if record.get("mfu") is not None:
+      postfix["mfu"] = f"{record['mfu']:.1%}"
+    self.bar.set_postfix(postfix, refresh=False)
+
+  def advance(self):
+    if self.bar:
+      self.bar.update(1)
+
+  def close(self):
+    if self.writer:
+      self.writer.close()
+    if self.bar:
+      self.bar.close()
+
+
+def peak_memory_bytes(compiled):
+  """Peak device memory so far from the allocator where it reports one (GPU); else XLA's compiled estimate of the
+  train step (arguments + outputs + temporaries, per device)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+  if peaks:
+    return max(peaks)
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _peak_tflops(run):
+  if run.peak_tflops_per_device:
+    return run.peak_tflops_per_device
+  kind = jax.devices()[0].device_kind
+  return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+
+
+def run(run_config: RunConfig, *, resume=False):
+  """Trains as configured; returns the logged metrics (a list of dicts). Raises FloatingPointError on a
+  non-finite loss, keeping the last good checkpoint."""
+  mesh = build_mesh(run_config.mesh)
+  model_config = model_config_for(run_config)
+  source = make_source(run_config.data, model_config.vocab_size)
+  model = qwen3.create_sharded(model_config, mesh, seed=run_config.seed)
+  graphdef, params = nnx.split(model)
+  optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
+  params = nnx.to_pure_dict(params)
+  state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
+  out = pathlib.Path(run_config.out_dir)
+  checkpoints = Checkpoints(out / "checkpoints", run_config.keep_checkpoints)
+  start = 0
+  if resume:
+    state, meta = checkpoints.restore(state)
+    start = int(meta["next_batch"])
+  step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0)
+  b, s = run_config.batch_size, run_config.seq_len
+  compiled = step_fn.lower(state, global_batch(source.batch(start, b, s), mesh)).compile()
+  flops_per_step = model_flops_per_token(model_config, s) * b * s
+  peak_tflops = _peak_tflops(run_config)
+  log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
+  if jax.process_index() == 0:
+    (out / "run_config.json").write_text(json.dumps(dict(
+        run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
+        mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(),
+        entropy_floor=source.entropy_floor), indent=1, default=str))
+  history = []
+  pending = None  # (step, metrics of that step) still on device: read one step late
+  window_start, window_steps = time.perf_counter(), 0
+
+  def settle(step, metrics):
+    nonlocal window_start, window_steps
+    values = host_scalars(metrics)
+    if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+      checkpoints.manager.wait_until_finished()
+      raise FloatingPointError(
+          f"loss {values['loss']} / gradient norm {values['grad_norm']} at step {step}; stopping. The last good "
+          f"checkpoint is step {checkpoints.latest_step()} in {checkpoints.directory}")
+    window_steps += 1
+    if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
+      return
+    elapsed = time.perf_counter() - window_start
+    tflops = flops_per_step * window_steps / elapsed / jax.device_count() / 1e12
+    record = dict(step=step, **values, tokens_per_s=b * s * window_steps / elapsed, tflops_per_device=tflops,
+                  mfu=tflops / peak_tflops if peak_tflops else None, peak_memory_bytes=peak_memory_bytes(compiled))
+    history.append(record)
+    log.write(record)
+    window_start, window_steps = time.perf_counter(), 0
+
+  try:
+    for step in range(start, run_config.steps):
+      state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh))
+      if pending:
+        settle(*pending)
+      pending = (step, metrics)
+      log.advance()
+      if (step + 1) % run_config.checkpoint_every == 0 or step + 1 == run_config.steps:
+        settle(*pending)  # never save a state whose loss was not finite
+        pending = None
+        checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
+    if pending:
+      settle(*pending)
+  finally:
+    log.close()
+    checkpoints.close()
+  return history

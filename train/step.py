@@ -1,0 +1,62 @@
+"""The optimizer, the loss and the one jitted `train_step(state, batch) -> (state, metrics)`; model FLOPs."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class TrainState(NamedTuple):
+  params: dict  # pure dict of arrays (nnx.to_pure_dict of the model's Params)
+  opt_state: optax.OptState
+  step: jax.Array
+
+
+def make_optimizer(optim, total_steps):
+  """AdamW, warmup + cosine decay, global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=optim.learning_rate, warmup_steps=max(optim.warmup_steps, 1),
+      decay_steps=max(total_steps, optim.warmup_steps + 1), end_value=optim.learning_rate * optim.min_lr_ratio)
+  return optax.chain(
+      optax.clip_by_global_norm(optim.grad_clip),
+      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+  ), schedule
+
+
+def loss_fn(params, graphdef, tokens_BS1, model_config):
+  """Next-token cross-entropy (float32) plus the router losses, as configured."""
+  model = nnx.merge(graphdef, nnx.State(params))
+  logits_BSV, aux = model.logits_and_aux(tokens_BS1[:, :-1])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, tokens_BS1[:, 1:]).mean()
+  loss = (ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"]
+          + model_config.router_z_loss_coef * aux["router_z_loss"])
+  return loss, dict(ce=ce, **aux)
+
+
+def make_train_step(graphdef, optimizer, schedule, model_config):
+  """train_step(state, tokens_BS1) -> (state, metrics); jit it with the state donated."""
+
+  def train_step(state, tokens_BS1):
+    (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, tokens_BS1,
+                                                                     model_config)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step), **parts)
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+  return train_step
+
+
+def model_flops_per_token(c, seq_len):
+  """Training FLOPs per token (3 × forward: matmuls and causal attention scores), without recompute."""
+  attn_dims = c.num_attention_heads * c.head_dim
+  kv_dims = c.num_key_value_heads * c.head_dim
+  per_layer_attn = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + 2 * seq_len * attn_dims
+  moe = (2 * c.hidden_size * c.num_experts + c.num_experts_per_tok * 6 * c.hidden_size * c.moe_intermediate_size
+         + 6 * c.hidden_size * c.shared_expert_intermediate_size)
+  dense = 6 * c.hidden_size * c.intermediate_size
+  mlp = sum(moe if c.is_sparse(i) else dense for i in range(c.num_hidden_layers))
+  forward = c.num_hidden_layers * per_layer_attn + mlp + 2 * c.hidden_size * c.vocab_size
+  return 3 * forward
