@@ -124,7 +124,7 @@ def _make_param(config, mesh, rngs, role, shape, init="normal"):
   initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
       init, nnx.initializers.normal(config.initializer_range))
   spec = tuple(param_spec(role, config.fsdp))
-  return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), sharding=spec, mesh=mesh)
+  return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
 
 
 def rms_norm(x, weight, eps):

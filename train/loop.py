@@ -54,6 +54,12 @@ def global_batch(tokens, mesh):
   return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
+def on_mesh(tree, mesh):
+  """Every leaf on the mesh: sharded leaves keep their sharding, the rest (step counters) are replicated."""
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)
+
+
 def host_scalars(metrics):
   """Replicated scalars to Python floats (works when the array is not fully addressable, i.e. multi-process)."""
   return {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
@@ -160,14 +166,17 @@ def run(run_config: RunConfig, *, resume=False):
   graphdef, params = nnx.split(model)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   params = nnx.to_pure_dict(params)
-  state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
+  # Eager init: zeros_like keeps each parameter's sharding for its optimizer moments (a jitted init would not).
+  state = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
   out = pathlib.Path(run_config.out_dir)
   checkpoints = Checkpoints(out / "checkpoints", run_config.keep_checkpoints)
   start = 0
   if resume:
     state, meta = checkpoints.restore(state)
     start = int(meta["next_batch"])
-  step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0)
+  step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
+                    out_shardings=(state_shardings, NamedSharding(mesh, P())))
   b, s = run_config.batch_size, run_config.seq_len
   compiled = step_fn.lower(state, global_batch(source.batch(start, b, s), mesh)).compile()
   flops_per_step = model_flops_per_token(model_config, s) * b * s
@@ -185,11 +194,12 @@ def run(run_config: RunConfig, *, resume=False):
   def settle(step, metrics):
     nonlocal window_start, window_steps
     values = host_scalars(metrics)
-    if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+    if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
       checkpoints.manager.wait_until_finished()
       raise FloatingPointError(
-          f"loss {values['loss']} / gradient norm {values['grad_norm']} at step {step}; stopping. The last good "
-          f"checkpoint is step {checkpoints.latest_step()} in {checkpoints.directory}")
+          f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
+          f"update norm {values['update_norm']}; stopping. The last good checkpoint is step "
+          f"{checkpoints.latest_step()} in {checkpoints.directory}")
     window_steps += 1
     if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
       return

@@ -15,13 +15,17 @@ class TrainState(NamedTuple):
 
 
 def make_optimizer(optim, total_steps):
-  """AdamW, warmup + cosine decay, global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
+  """AdamW with weight decay on matrices only (not norms or biases), linear warmup + cosine decay, global-norm
+  clipping. Returns (optimizer, schedule); the schedule is shifted by one so that step 0 already learns."""
+  warmup_cosine = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=optim.learning_rate, warmup_steps=max(optim.warmup_steps, 1),
       decay_steps=max(total_steps, optim.warmup_steps + 1), end_value=optim.learning_rate * optim.min_lr_ratio)
+  schedule = lambda step: warmup_cosine(step + 1)  # noqa: E731
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
   return optax.chain(
       optax.clip_by_global_norm(optim.grad_clip),
-      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
+                  mask=decay_mask),
   ), schedule
 
 
@@ -43,7 +47,8 @@ def make_train_step(graphdef, optimizer, schedule, model_config):
                                                                      model_config)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step), **parts)
+    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
+                   learning_rate=schedule(state.step), **parts)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step

@@ -1,0 +1,111 @@
+"""The Qwen3-MoE model: its pieces against NumPy transcriptions of Hugging Face's math, and the whole model under
+every dispatcher against the dense oracle (loss and all gradients)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import assert_close
+from models import qwen3
+from train.loop import build_mesh
+from train.config import MeshConfig
+
+MODEL_RTOL = 1e-4  # float32 through 2 layers: summation order differs between dispatchers
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
+
+
+def test_rms_norm_matches_hf():
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=(3, 5, 8)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32)
+  ref = w * (x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + 1e-6))
+  np.testing.assert_allclose(np.asarray(qwen3.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), ref, rtol=1e-5)
+
+
+def test_rope_matches_hf_rotate_half():
+  rng = np.random.default_rng(1)
+  b, s, n, h, theta = 2, 7, 3, 8, 10000.0
+  x = rng.normal(size=(b, s, n, h)).astype(np.float32)
+  pos = np.tile(np.arange(s), (b, 1))
+  inv_freq = 1.0 / theta ** (np.arange(0, h, 2) / h)
+  emb = np.concatenate([pos[..., None] * inv_freq] * 2, -1)[:, :, None, :]
+  rotate_half = np.concatenate([-x[..., h // 2:], x[..., :h // 2]], -1)
+  ref = x * np.cos(emb) + rotate_half * np.sin(emb)
+  np.testing.assert_allclose(np.asarray(qwen3.rope(jnp.asarray(x), jnp.asarray(pos), theta)), ref, atol=1e-5)
+
+
+def _loss_and_grads(config, mesh, tokens):
+  model = qwen3.create_sharded(config, mesh, seed=0)
+  graphdef, params = nnx.split(model)
+
+  def loss(params):
+    logits, aux = nnx.merge(graphdef, params).logits_and_aux(tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return ce + 0.01 * aux["load_balancing_loss"]
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  return value, nnx.to_pure_dict(grads)
+
+
+QWEN2_OPTIONS = dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
+def test_model_under_dispatcher_matches_dense(mesh, dispatcher, variant):
+  extra = QWEN2_OPTIONS if variant == "qwen2" else {}
+  config = qwen3.load_config("tiny", **extra)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 17)), jnp.int32)
+  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens)
+  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens)
+  assert abs(float(value) - float(ref_value)) <= MODEL_RTOL * abs(float(ref_value))
+  flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
+  assert len(flat) == len(ref_flat)
+  for (path, g), r in zip(flat, ref_flat):
+    assert_close(g, r, MODEL_RTOL, jax.tree_util.keystr(path))
+
+
+def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh):
+  config = qwen3.load_config("tiny", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+  model = qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))
+  kinds = [type(layer.mlp).__name__ for layer in model.layers]
+  assert kinds == ["DenseMLP", "MoE", "DenseMLP", "DenseMLP"]
+  logits = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 8), jnp.int32))
+  assert logits.shape == (8, 8, config.vocab_size) and logits.dtype == jnp.float32
+
+
+def test_parameters_follow_the_sharding_table(mesh):
+  model = qwen3.create_sharded(qwen3.load_config("tiny"), mesh)
+  moe = model.layers[0].mlp
+  def spec(p):
+    s = tuple(p[...].sharding.spec)
+    return s + (None,) * (p[...].ndim - len(s))
+
+  assert spec(moe.w_gate_EDF) == ("expert", None, None) and spec(moe.w_down_EFD) == ("expert", None, None)
+  assert tuple(model.layers[0].attn.q_DH.out_sharding) == (None, "tensor")  # 'tensor' has size 1 here
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-57b-a14b", "qwen3-235b-a22b", "grid-e128-k8-f768"])
+def test_shipped_configs_load(name):
+  config = qwen3.load_config(name)
+  assert config.num_experts % 8 == 0 and config.num_experts_per_tok <= config.num_experts
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3"),
+    (dict(dispatcher="ring_sideways"), "ring_sideways"),
+    (dict(hidden_sizes=64), "hidden_sizes"),
+    (dict(remat_attention=[True]), "remat_attention has 1 entries"),
+])
+def test_bad_model_config_is_named(changes, message):
+  with pytest.raises(ValueError, match=message):
+    qwen3.load_config("tiny", **changes)

@@ -1,0 +1,189 @@
+"""The trainer: one golden step against an independent computation, the loss falling on the synthetic language,
+exact resume, a non-finite loss stopping with the last good checkpoint kept, bad configs, data sources, and a
+2-process start on CPU."""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from models import qwen3
+from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
+from train.data import SyntheticLanguage, make_source
+from train.loop import Checkpoints, build_mesh, global_batch, model_config_for, run
+from train.step import TrainState, make_optimizer, make_train_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_run(tmp_path, **changes):
+  base = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16, steps=6,
+                   log_every=1, checkpoint_every=3, out_dir=str(tmp_path / "run"), tensorboard=False)
+  return dataclasses.replace(base, **changes)
+
+
+def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
+  """Step 0 of Adam (bias-corrected) moves each parameter by −lr·(g/(|g|+eps) + wd·p) (decay on matrices only),
+  with g the gradient of the loss computed independently through the dense oracle."""
+  run_config = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16, steps=10)
+  mesh = build_mesh(run_config.mesh)
+  model_config = model_config_for(run_config)
+  graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh))
+  params = nnx.to_pure_dict(params)
+  optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
+  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16), mesh)
+  step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
+  state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+  new_state, metrics = step(state, tokens)
+
+  dense_graphdef, _ = nnx.split(qwen3.create_sharded(dataclasses.replace(model_config, dispatcher="dense"), mesh))
+
+  def oracle_loss(p):
+    logits, aux = nnx.merge(dense_graphdef, nnx.State(p)).logits_and_aux(tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"], ce
+
+  (loss, ce), grads = jax.jit(jax.value_and_grad(oracle_loss, has_aux=True))(params)
+  assert abs(float(metrics["loss"]) - float(loss)) < 1e-5 * float(loss)
+  assert abs(float(metrics["ce"]) - float(ce)) < 1e-5 * float(ce)
+  assert abs(float(ce) - math.log(model_config.vocab_size)) < 0.1  # an untrained model is near uniform
+  o = run_config.optim
+  lr = float(schedule(0))
+  assert lr > 0
+  grad_norm = float(optax.tree.norm(grads))
+  scale = min(1.0, o.grad_clip / grad_norm)
+  for (path, p0), g, p1 in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads),
+                               jax.tree.leaves(new_state.params)):
+    g = np.asarray(g, np.float64) * scale
+    decay = o.weight_decay if p0.ndim >= 2 else 0.0
+    expected = np.asarray(p0) - lr * (g / (np.abs(g) + o.eps) + decay * np.asarray(p0))
+    # Elements whose gradient is ~0 move by a ratio dominated by eps and rounding; compare the rest tightly.
+    significant = np.abs(g) > 1e-5
+    np.testing.assert_allclose(np.asarray(p1)[significant], expected[significant], rtol=1e-4, atol=lr * 1e-3,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_loss_falls_toward_the_entropy_floor(tmp_path):
+  history = run(tiny_run(tmp_path, steps=50, log_every=10, checkpoint_every=50, batch_size=16, seq_len=32))
+  first, last = history[0]["loss"], history[-1]["loss"]
+  floor = math.log(DataConfig().branching)
+  assert first > last + 1.0, (first, last)
+  assert floor < last < 0.75 * math.log(128), (floor, last)
+  for key in ("step", "loss", "tokens_per_s", "peak_memory_bytes"):
+    assert key in history[-1]
+  assert history[-1]["peak_memory_bytes"] > 0 and history[-1]["tokens_per_s"] > 0
+  logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged] == [9, 19, 29, 39, 49]
+
+
+def test_resume_continues_exactly(tmp_path):
+  config = tiny_run(tmp_path)
+  full = run(config)
+  checkpoint_dir = tmp_path / "run" / "checkpoints"
+  assert sorted(p.name for p in checkpoint_dir.iterdir() if p.name.isdigit()) == ["3", "6"]
+  shutil.rmtree(checkpoint_dir / "6")  # as if the run had stopped after step 3
+  resumed = run(config, resume=True)
+  assert [r["step"] for r in resumed] == [3, 4, 5]
+  for a, b in zip(full[3:], resumed):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  run(tiny_run(tmp_path, steps=2, checkpoint_every=1))
+  diverging = tiny_run(tmp_path, steps=4, checkpoint_every=1,
+                       optim=dataclasses.replace(RunConfig().optim, learning_rate=float("inf")))
+  with pytest.raises(FloatingPointError, match="step 2.*last good checkpoint is step 2"):
+    run(diverging, resume=True)
+  checkpoints = Checkpoints(tmp_path / "run" / "checkpoints", 2)
+  assert checkpoints.latest_step() == 2
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  model_config = model_config_for(diverging)
+  _, params = nnx.split(qwen3.create_sharded(model_config, mesh))
+  params = nnx.to_pure_dict(params)
+  optimizer, _ = make_optimizer(diverging.optim, 4)
+  state, meta = checkpoints.restore(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)))
+  checkpoints.close()
+  assert meta["next_batch"] == 2 and int(state.step) == 2
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(state.params))
+
+
+def test_bad_run_configs_are_named(tmp_path):
+  bad_yaml = tmp_path / "bad.yaml"
+  bad_yaml.write_text("model: tiny\nbatch_sise: 4\n")
+  with pytest.raises(ValueError, match="batch_sise"):
+    load_run_config(str(bad_yaml))
+  with pytest.raises(ValueError, match="mesh.experts"):
+    load_run_config("cpu", ["mesh.experts=2"])
+  with pytest.raises(ValueError, match="batch_size=0"):
+    load_run_config("cpu", ["batch_size=0"])
+  with pytest.raises(ValueError, match="data.kind='parquet'"):
+    load_run_config("cpu", ["data.kind=parquet"])
+  with pytest.raises(ValueError, match="no config 'nonesuch'"):
+    load_run_config("nonesuch")
+  with pytest.raises(ValueError, match="hidden_sise"):
+    model_config_for(load_run_config("cpu", ["model.hidden_sise=8"]))
+  with pytest.raises(ValueError, match="needs 6 devices"):
+    build_mesh(MeshConfig(data=3, expert=2))
+  assert model_config_for(load_run_config("cpu", ["model.num_hidden_layers=3", "dispatcher=all_to_all"])) == \
+      qwen3.load_config("tiny", num_hidden_layers=3, dispatcher="all_to_all")
+
+
+def test_data_sources_are_deterministic_and_resumable(tmp_path):
+  synthetic = SyntheticLanguage(64, 3, seed=5)
+  batch = synthetic.batch(7, 4, 10)
+  assert batch.shape == (4, 11)
+  np.testing.assert_array_equal(batch, SyntheticLanguage(64, 3, seed=5).batch(7, 4, 10))
+  for row in batch:
+    for prev, nxt in zip(row[:-1], row[1:]):
+      assert nxt in synthetic.successors[prev]
+  assert synthetic.entropy_floor == pytest.approx(math.log(3))
+
+  tokens = np.arange(1000, dtype=np.uint32) % 300
+  (tmp_path / "t.bin").write_bytes(tokens.tobytes())
+  source = make_source(DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), token_dtype="uint32"), 300)
+  b0, b1 = source.batch(0, 2, 8), source.batch(1, 2, 8)
+  np.testing.assert_array_equal(b0[0], tokens[0:9])
+  np.testing.assert_array_equal(b1[0], tokens[16:25])  # batch 1 starts where batch 0 ended
+  with pytest.raises(ValueError, match="token id 299 is out of range"):
+    make_source(DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), token_dtype="uint32"), 256)
+
+  (tmp_path / "t.txt").write_text("héllo, relay " * 20, encoding="utf-8")
+  text = make_source(DataConfig(kind="text", path=str(tmp_path / "t.txt")), 256)
+  np.testing.assert_array_equal(text.batch(0, 1, 4)[0], list("héll".encode("utf-8")[:5]))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_on_cpu_match_one(tmp_path):
+  """Two local processes with 4 emulated devices each (gloo collectives) train exactly like one process with 8."""
+  port = _free_port()
+  common = ["--config", "cpu", "--steps", "3", "--cpu-devices", "4", "batch_size=8", "seq_len=16", "log_every=1",
+            "tensorboard=false", f"out_dir={tmp_path / 'multi'}"]
+  env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO)
+  procs = [subprocess.Popen([sys.executable, "-m", "train.cli", "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", "2", "--process-id", str(i), *common], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  for p in procs:
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+  multi = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
+  single = run(load_run_config("cpu", ["steps=3", "batch_size=8", "seq_len=16", "log_every=1",
+                                       "tensorboard=false", f"out_dir={tmp_path / 'single'}"]))
+  assert [r["step"] for r in multi] == [0, 1, 2]
+  for a, b in zip(multi, single):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
