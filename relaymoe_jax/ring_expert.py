@@ -20,18 +20,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import expert_swiglu
+from relaymoe_jax.grouped_matmul import ROW_ALIGN, expert_swiglu, max_chunk_rows
 from relaymoe_jax.layout import ExpertLayout, partition_at_hop, ring_perm, vary_like, varying_zeros
 from relaymoe_jax.pair_plan import (PairPlan, chunk_group_sizes, make_pair_plan, sorted_pair_weights,
                                     unsort_pair_values)
 
-ROW_ALIGN = 128
-
-
-def default_chunk_rows(tokens_per_device, top_k, ring_size):
-  """The balanced share of one hop, ceil(T·K / N), rounded up to a multiple of 128."""
-  share = math.ceil(tokens_per_device * top_k / ring_size)
-  return ROW_ALIGN * math.ceil(share / ROW_ALIGN)
+def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
+  """The balanced share of one hop, ceil(T·K / N), rounded up to a multiple of 128, at most row_cap."""
+  share = ROW_ALIGN * math.ceil(math.ceil(tokens_per_device * top_k / ring_size) / ROW_ALIGN)
+  return min(share, row_cap) if row_cap else share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +220,8 @@ class RingExpert:
   """Expert-routing ring dispatcher.
 
   Attributes:
-    chunk_rows: R, rows of one grouped-matmul chunk; default the balanced share ceil(T·K/N) rounded up to 128.
+    chunk_rows: R, rows of one grouped-matmul chunk; default the balanced share ceil(T·K/N) rounded up to 128
+      (capped for backends without a grouped kernel, see `grouped_matmul.max_chunk_rows`).
     backend: grouped-matmul backend name (see `grouped_matmul.BACKENDS`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
       intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
@@ -237,10 +235,12 @@ class RingExpert:
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     tokens_per_device = x_TD.shape[0] // layout.token_shards
     top_k = idx_TK.shape[1]
-    chunk_rows = self.chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size)
+    num_experts, d_model, d_ff = w_gate_EDF.shape
+    row_cap = max_chunk_rows(self.backend, num_experts // layout.ring_size, max(d_model, d_ff))
+    chunk_rows = self.chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap)
     if chunk_rows < 1:
       raise ValueError(f"chunk_rows={chunk_rows} must be positive")
     static_chunks = None if self.recompute else math.ceil(tokens_per_device * top_k / chunk_rows)
-    spec = _RingSpec(layout=layout, num_experts=w_gate_EDF.shape[0], top_k=top_k, chunk_rows=chunk_rows,
+    spec = _RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=chunk_rows,
                      backend=self.backend, static_chunks=static_chunks)
     return _ring_expert_fn(spec)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -14,11 +14,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+def requires_devices(count):
+  if len(jax.devices()) < count:
+    pytest.skip(f"needs {count} devices, {jax.default_backend()} has {len(jax.devices())}")
+
+
 def mesh_of(shape, names, explicit=False):
   """A mesh over the first prod(shape) devices: Explicit axes as `jax.make_mesh` gives them, or Auto."""
   size = int(np.prod(shape))
-  if len(jax.devices()) < size:
-    pytest.skip(f"needs {size} devices, {jax.default_backend()} has {len(jax.devices())}")
+  requires_devices(size)
   devices = np.array(jax.devices()[:size])
   if explicit:
     return jax.make_mesh(shape, names, devices=devices)

@@ -10,12 +10,18 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import assert_close
+from conftest import assert_close, requires_devices
 from models import qwen3
 from train.loop import build_mesh
 from train.config import MeshConfig
 
 MODEL_RTOL = 1e-4  # float32 through 2 layers: summation order differs between dispatchers
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+  """These tests build the trainer's (2 data × 4 expert) mesh: on a GPU machine run them with JAX_PLATFORMS=cpu."""
+  requires_devices(8)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import requires_devices
 from models import qwen3
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
 from train.data import SyntheticLanguage, make_source
@@ -25,6 +26,12 @@ from train.loop import Checkpoints, build_mesh, global_batch, model_config_for, 
 from train.step import TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+  """These tests build the trainer's (2 data × 4 expert) mesh: on a GPU machine run them with JAX_PLATFORMS=cpu."""
+  requires_devices(8)
 
 
 def tiny_run(tmp_path, **changes):
