@@ -121,3 +121,15 @@ def test_capacity_factor_drops_overflow_like_gshard():
   assert_close(y, y_kept, F32_RTOL, "y_TD with drops")
   y_full, _ = oracle(layer, mesh)
   assert float(jnp.max(jnp.abs(y - y_full))) > 1e-3, "dropped pairs must change the output"
+
+
+FULL_TABLE = [((n,), E_ONLY, e, k, skew, None) for n in (1, 2, 4, 8) for e in (8, 16, 64) for k in (1, 2, 8)
+              for skew in (False, True) if e % n == 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
+@pytest.mark.parametrize("case", FULL_TABLE, ids=_case_id)
+def test_full_table_float32_matches_oracle(case, dispatcher):
+  """Every ring size × top-k × expert count × skew of the spec (the default run covers a representative subset)."""
+  test_float32_matches_oracle(case, dispatcher)

@@ -26,6 +26,7 @@ def _eight_devices():
 
 @pytest.fixture(scope="module")
 def mesh():
+  requires_devices(8)
   return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
 
 
