@@ -12,11 +12,12 @@ from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
-from relaymoe_jax.moe import DISPATCHERS, make_dispatcher, moe_ffn
+from relaymoe_jax.moe import DISPATCHERS, make_dispatcher, moe_ffn, shared_expert
 from relaymoe_jax.ring_expert import RingExpert
+from relaymoe_jax.ring_token import RingToken
 from relaymoe_jax.routing import RouterAux, route
 
 __all__ = [
-    "AllToAll", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RouterAux", "TENSOR",
-    "dense_moe", "make_dispatcher", "moe_ffn", "route",
+    "AllToAll", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RingToken", "RouterAux", "TENSOR",
+    "dense_moe", "make_dispatcher", "moe_ffn", "route", "shared_expert",
 ]

@@ -33,7 +33,8 @@ def _kept_rows(counts_NL, slots):
   return jnp.clip(slots - before_NL, 0, counts_NL)
 
 
-def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, axis, num_experts, slots, backend):
+def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout, num_experts, slots, backend):
+  axis = layout.expert_axis
   n = jax.lax.axis_size(axis)
   num_l = num_experts // n
   top_k = idx_TK.shape[1]
@@ -62,7 +63,8 @@ def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, axis, n
   ret_NCD = jax.lax.all_to_all(back_NCD, axis, 0, 0)  # [destination, C, D], home again
 
   contrib_NCD = jnp.where(valid_NC1, ret_NCD.astype(jnp.float32) * w_P[pos_NC].astype(jnp.float32)[..., None], 0.0)
-  return jnp.zeros_like(x_TD, jnp.float32).at[tok_P[pos_NC]].add(contrib_NCD).astype(x_TD.dtype)
+  y_TD = jnp.zeros_like(x_TD, jnp.float32).at[tok_P[pos_NC]].add(contrib_NCD)
+  return layout.sum_tensor_partials(y_TD).astype(x_TD.dtype)  # ETP: each device summed a slice of F
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,8 +86,8 @@ class AllToAll:
     num_experts, top_k, n = w_gate_EDF.shape[0], idx_TK.shape[1], layout.ring_size
     slots = slots_per_destination(x_TD.shape[0] // layout.token_shards, top_k, num_experts // n, n,
                                   self.capacity_factor)
-    tok, exp = layout.token_spec, layout.expert_spec
-    per_device = functools.partial(_a2a_device, axis=layout.expert_axis, num_experts=num_experts, slots=slots,
+    tok = layout.token_spec
+    per_device = functools.partial(_a2a_device, layout=layout, num_experts=num_experts, slots=slots,
                                    backend=self.backend)
-    return layout.shard_map(per_device, in_specs=(tok, tok, tok, exp, exp, exp), out_specs=tok)(
+    return layout.shard_map(per_device, in_specs=(tok, tok, tok, *layout.expert_specs), out_specs=tok)(
         x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -23,18 +23,25 @@ class ExpertLayout:
   mesh: jax.sharding.Mesh
   expert_axis: str = EXPERT
   token_axes: tuple[str, ...] = ()
+  tensor_axis: str | None = None  # expert tensor parallelism: splits F of every expert
 
   def __post_init__(self):
     names = tuple(self.mesh.axis_names)
     if self.expert_axis not in names:
       raise ValueError(f"expert_axis {self.expert_axis!r} is not an axis of the mesh {names}")
     if not self.token_axes:
-      object.__setattr__(self, "token_axes", names)
+      object.__setattr__(self, "token_axes", tuple(a for a in names if a != self.tensor_axis))
     for axis in self.token_axes:
       if axis not in names:
         raise ValueError(f"token axis {axis!r} is not an axis of the mesh {names}")
     if self.expert_axis not in self.token_axes:
       raise ValueError(f"expert_axis {self.expert_axis!r} must be one of the token axes {self.token_axes}")
+    if self.tensor_axis is not None:
+      if self.tensor_axis not in names:
+        raise ValueError(f"tensor_axis {self.tensor_axis!r} is not an axis of the mesh {names}")
+      if self.tensor_axis in self.token_axes:
+        raise ValueError(f"tensor_axis {self.tensor_axis!r} splits expert width and cannot also split tokens "
+                         f"(token axes {self.token_axes}); pass token_axes without it")
 
   @property
   def ring_size(self):
@@ -50,12 +57,35 @@ class ExpertLayout:
     return tuple(a for a in self.token_axes if a != self.expert_axis)
 
   @property
+  def tensor_size(self):
+    return self.mesh.shape[self.tensor_axis] if self.tensor_axis else 1
+
+  @property
+  def compute_axes(self):
+    """Every axis a device's partial results vary over: the token axes, and the tensor axis under ETP."""
+    return self.token_axes + ((self.tensor_axis,) if self.tensor_axis else ())
+
+  @property
   def token_spec(self):
     return P(self.token_axes)
 
   @property
-  def expert_spec(self):
-    return P(self.expert_axis)
+  def expert_in_spec(self):
+    """w_gate_EDF / w_up_EDF: experts over the expert axis, F over the tensor axis."""
+    return P(self.expert_axis, None, self.tensor_axis)
+
+  @property
+  def expert_out_spec(self):
+    """w_down_EFD."""
+    return P(self.expert_axis, self.tensor_axis, None)
+
+  @property
+  def expert_specs(self):
+    return (self.expert_in_spec, self.expert_in_spec, self.expert_out_spec)
+
+  def sum_tensor_partials(self, x):
+    """Under expert tensor parallelism each device holds a partial sum over its slice of F."""
+    return jax.lax.psum(x, self.tensor_axis) if self.tensor_axis else x
 
   def place(self, x, spec):
     """Reshards x to spec. Explicit meshes need it before shard_map; Auto meshes let shard_map do it."""
@@ -65,16 +95,6 @@ class ExpertLayout:
 
   def shard_map(self, f, in_specs, out_specs):
     return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-
-
-def ring_perm(n, shift=1):
-  """ppermute pairs sending device r to r + shift (mod n)."""
-  return [(r, (r + shift) % n) for r in range(n)]
-
-
-def partition_at_hop(r, h, n):
-  """The partition device r works on at hop h: weights move r → r+1, so it is the one that started at r − h."""
-  return (r - h) % n
 
 
 def varying_zeros(shape, dtype, axes):

@@ -7,16 +7,20 @@ computed and what is held (see each dispatcher's module for what moves between d
 import dataclasses
 
 import jax
+import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense
+from relaymoe_jax.grouped_matmul import matmul_precision
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.ring_expert import RingExpert
+from relaymoe_jax.ring_token import RingToken
 
 DISPATCHERS = {
     "ring_expert": RingExpert,
+    "ring_token": RingToken,
     "all_to_all": AllToAll,
     "dense": Dense,
 }
@@ -60,13 +64,15 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   n = layout.ring_size
   if e % n:
     raise ValueError(f"E={e} experts is not divisible by the size {n} of expert axis {layout.expert_axis!r}")
+  if f % layout.tensor_size:
+    raise ValueError(f"F={f} is not divisible by the size {layout.tensor_size} of tensor axis {layout.tensor_axis!r}")
   if t % layout.token_shards:
     raise ValueError(f"T={t} tokens is not divisible by the {layout.token_shards} token shards of axes "
                      f"{layout.token_axes}")
 
 
 def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispatcher="ring_expert",
-            expert_axis=EXPERT, token_axes=None, **options):
+            expert_axis=EXPERT, token_axes=None, tensor_axis=None, shared=None, shared_gate_D1=None, **options):
   """The SwiGLU MoE block: y_TD = Σ_k w_TK[t,k] · SwiGLU_{idx_TK[t,k]}(x_TD[t]).
 
   Works on global `jax.Array`s, inside or outside `jax.jit`, under `jax.grad`; differentiable with respect to
@@ -80,20 +86,60 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
     mesh: a `jax.sharding.Mesh` (Explicit axes from `jax.make_mesh`, or Auto).
     dispatcher: a name in `DISPATCHERS` ("ring_expert", "all_to_all", "dense") or a dispatcher instance.
     expert_axis: mesh axis the experts are split over; the ring runs along it.
-    token_axes: mesh axes the tokens are split over (default: all axes of the mesh).
+    token_axes: mesh axes the tokens are split over (default: all axes of the mesh but tensor_axis).
+    tensor_axis: mesh axis that splits F of every expert (expert tensor parallelism), or None.
+    shared: optional Qwen2-MoE shared expert (w_gate_DS, w_up_DS, w_down_SD), computed locally outside the ring
+      and added to the output; scaled by sigmoid(x · shared_gate_D1) when that is given.
     **options: the named dispatcher's own options, e.g. `chunk_rows=` (ring_expert), `capacity_factor=`
       (all_to_all), `backend=`.
 
   Returns:
     y_TD in x's dtype, sharded over the token axes.
   """
-  layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=tuple(token_axes or ()))
+  layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=tuple(token_axes or ()),
+                        tensor_axis=tensor_axis)
   if isinstance(dispatcher, str):
     dispatcher = make_dispatcher(dispatcher, **options)
   elif options:
     raise ValueError(f"options {sorted(options)} are given with a dispatcher instance; set them on the instance")
   _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout)
-  tok, exp = layout.token_spec, layout.expert_spec
+  if shared is not None:
+    _check_shared(x_TD, shared, shared_gate_D1)
+  tok = layout.token_spec
   x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
-  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, exp) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
-  return dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
+  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in zip((w_gate_EDF, w_up_EDF, w_down_EFD),
+                                                                                  layout.expert_specs))
+  y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
+  if shared is not None:
+    y_TD = y_TD + shared_expert(x_TD, *shared, shared_gate_D1)
+  return y_TD
+
+
+def shared_expert(x_TD, w_gate_DS, w_up_DS, w_down_SD, gate_D1=None):
+  """The Qwen2-MoE shared expert: SwiGLU of width S on every token, scaled by sigmoid(x · gate) if given.
+
+  Replicated weights, so XLA computes it where the tokens are; no communication beyond the gradient all-reduce.
+  """
+  f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(x_TD.dtype))
+  h_TS = jax.nn.silu(jnp.dot(x_TD, w_gate_DS, **f32)) * jnp.dot(x_TD, w_up_DS, **f32)
+  y_TD = jnp.dot(h_TS.astype(x_TD.dtype), w_down_SD, **f32)
+  if gate_D1 is not None:
+    y_TD = jax.nn.sigmoid(jnp.dot(x_TD, gate_D1, **f32)) * y_TD
+  return y_TD.astype(x_TD.dtype)
+
+
+def _check_shared(x_TD, shared, gate_D1):
+  if len(shared) != 3:
+    raise ValueError(f"shared must be (w_gate_DS, w_up_DS, w_down_SD); got {len(shared)} arrays")
+  d = x_TD.shape[1]
+  s = shared[0].shape[-1]
+  expected = dict(w_gate_DS=(d, s), w_up_DS=(d, s), w_down_SD=(s, d))
+  arrays = dict(zip(expected, shared))
+  if gate_D1 is not None:
+    expected["shared_gate_D1"], arrays["shared_gate_D1"] = (d, 1), gate_D1
+  wrong = {k: tuple(a.shape) for k, a in arrays.items() if tuple(a.shape) != expected[k]}
+  if wrong:
+    raise ValueError(f"shared expert shape mismatch: {wrong}; expected {expected}")
+  wrong_dtypes = {k: str(a.dtype) for k, a in arrays.items() if a.dtype != x_TD.dtype}
+  if wrong_dtypes:
+    raise ValueError(f"shared expert dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")

@@ -25,12 +25,22 @@ class PairPlan(NamedTuple):
     """int32 token index of each sorted pair."""
     return self.order_P // top_k
 
-  def partition(self, p, experts_per_partition):
-    """(start, count, sizes_L): the sorted range of partition p's pairs and its per-expert group sizes."""
-    num_l = experts_per_partition
-    sizes_L = jax.lax.dynamic_slice_in_dim(self.counts_E, p * num_l, num_l)
-    start = jnp.sum(jnp.where(jnp.arange(self.counts_E.shape[0]) < p * num_l, self.counts_E, 0))
-    return start, jnp.sum(sizes_L), sizes_L
+
+
+class PairRange(NamedTuple):
+  """A contiguous range of expert-sorted pairs and its per-expert group sizes."""
+
+  start: jax.Array
+  count: jax.Array
+  sizes_L: jax.Array
+
+
+def partition_range(counts_E, p, experts_per_partition):
+  """The sorted range holding the pairs of partition p (experts p·L … p·L + L − 1)."""
+  num_l = experts_per_partition
+  sizes_L = jax.lax.dynamic_slice_in_dim(counts_E, p * num_l, num_l)
+  start = jnp.sum(jnp.where(jnp.arange(counts_E.shape[0]) < p * num_l, counts_E, 0))
+  return PairRange(start=start, count=jnp.sum(sizes_L), sizes_L=sizes_L)
 
 
 def make_pair_plan(idx_TK, num_experts):

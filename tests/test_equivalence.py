@@ -70,16 +70,16 @@ def assert_matches_oracle(layer, mesh, rtol, dispatcher, **options):
     assert_close(g[name], g_ref[name], rtol, f"d {name}")
 
 
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_float32_matches_oracle(case, dispatcher):
   shape, names, e, k, skew, rows = case
   layer = random_layer(sum(shape) + e + k, TOKENS, D_MODEL, D_FF, e, k, skew=skew)
-  options = {"chunk_rows": rows} if (rows and dispatcher == "ring_expert") else {}
+  options = {"chunk_rows": rows} if (rows and dispatcher.startswith("ring")) else {}
   assert_matches_oracle(layer, mesh_of(shape, names), F32_RTOL, dispatcher, **options)
 
 
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
 @pytest.mark.parametrize("skew", [False, True])
 def test_bfloat16_matches_oracle(dispatcher, skew):
   layer = random_layer(7, TOKENS, D_MODEL, D_FF, 16, 4, skew=skew, dtype=jnp.bfloat16)
@@ -128,7 +128,7 @@ FULL_TABLE = [((n,), E_ONLY, e, k, skew, None) for n in (1, 2, 4, 8) for e in (8
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
 @pytest.mark.parametrize("case", FULL_TABLE, ids=_case_id)
 def test_full_table_float32_matches_oracle(case, dispatcher):
   """Every ring size × top-k × expert count × skew of the spec (the default run covers a representative subset)."""

@@ -1,0 +1,147 @@
+"""The two ring schedules both dispatchers are built from (inside `shard_map`, along one mesh axis of size N;
+device r sends to r + 1 and receives from r − 1, so at hop h it holds the payload that started on r − h).
+
+  ring_pass   the payload circulates; each hop computes on it into local state. N − 1 sends of the payload.
+  ring_relay  the payload circulates, and each hop's partial result for the payload's partition is relayed: the
+              partition's accumulator follows one hop behind its payload, merged into the same `ppermute`, and a
+              last send brings it home. N − 1 payload sends, N accumulator sends; the accumulator of a hop is sent
+              only after the hop's own partial is added, while the payload for the next hop is already in flight.
+`ring_vjp` wraps a dispatcher's per-device forward and backward into one differentiable global function.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from relaymoe_jax.grouped_matmul import ROW_ALIGN, max_chunk_rows
+from relaymoe_jax.layout import ExpertLayout
+
+
+def ring_perm(n, shift=1):
+  """ppermute pairs sending device r to r + shift (mod n)."""
+  return [(r, (r + shift) % n) for r in range(n)]
+
+
+def partition_at_hop(r, h, n):
+  """Whose payload device r holds at hop h: payloads move r → r+1, so the one that started on r − h."""
+  return (r - h) % n
+
+
+def ring_pass(compute, state, payload, *, axis, n):
+  """state = compute(state, h, payload) for h = 0 … N−1, the payload sent on before each hop's compute."""
+
+  def body(h, carry):
+    payload, state = carry
+    incoming = jax.lax.ppermute(payload, axis, ring_perm(n))  # prefetch for hop h + 1
+    return incoming, compute(state, h, payload)
+
+  payload, state = jax.lax.fori_loop(0, n - 1, body, (payload, state))
+  return compute(state, n - 1, payload)
+
+
+def ring_relay(compute, state, payload, *, axis, n, to_relay):
+  """Runs (state, partial) = compute(state, h, payload) at every hop and relays the partials.
+
+  Args:
+    compute: returns the new local state and this hop's float32 partial for the payload's partition.
+    to_relay: casts a float32 partial to the accumulator's travelling form (e.g. the weights' dtype).
+
+  Returns:
+    (state, accumulator of this device's own partition, summed over all N devices).
+  """
+  perm = ring_perm(n)
+
+  def merge(acc_in, partial):
+    return to_relay(jax.tree.map(lambda a, p: a.astype(jnp.float32) + p, acc_in, partial))
+
+  if n == 1:
+    state, partial = compute(state, 0, payload)
+    return state, to_relay(partial)
+  incoming = jax.lax.ppermute(payload, axis, perm)  # hop 0: payload only
+  state, partial = compute(state, 0, payload)
+
+  def body(h, carry):
+    payload, acc_prev, state = carry
+    incoming, acc_in = jax.lax.ppermute((payload, acc_prev), axis, perm)
+    state, partial = compute(state, h, payload)
+    return incoming, merge(acc_in, partial), state
+
+  payload, acc, state = jax.lax.fori_loop(1, n - 1, body, (incoming, to_relay(partial), state))
+  acc_in = jax.lax.ppermute(acc, axis, perm)  # hop N−1: accumulator only
+  state, partial = compute(state, n - 1, payload)
+  return state, jax.lax.ppermute(merge(acc_in, partial), axis, perm)  # home
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSpec:
+  """Static facts of one ring call (hashable: compiled functions are cached on it)."""
+
+  layout: ExpertLayout
+  num_experts: int
+  top_k: int
+  chunk_rows: int
+  backend: str
+  static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
+
+  @property
+  def experts_per_device(self):
+    return self.num_experts // self.layout.ring_size
+
+  @property
+  def chunk_options(self):
+    return dict(chunk_rows=self.chunk_rows, backend=self.backend)
+
+
+def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
+  """The balanced share of one hop, ceil(T·K / N), rounded up to a multiple of 128, at most row_cap."""
+  share = ROW_ALIGN * math.ceil(math.ceil(tokens_per_device * top_k / ring_size) / ROW_ALIGN)
+  return min(share, row_cap) if row_cap else share
+
+
+def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True):
+  tokens_per_device = x_TD.shape[0] // layout.token_shards
+  top_k = idx_TK.shape[1]
+  num_experts, d_model, d_ff = w_gate_EDF.shape
+  row_cap = max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, d_ff // layout.tensor_size))
+  chunk_rows = chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap)
+  if chunk_rows < 1:
+    raise ValueError(f"chunk_rows={chunk_rows} must be positive")
+  static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / chunk_rows)
+  return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=chunk_rows, backend=backend,
+                  static_chunks=static_chunks)
+
+
+def ring_vjp(spec, forward_device, backward_device):
+  """The global function of a ring dispatcher: a `jax.custom_vjp` whose forward and backward are each one
+  `shard_map` of a per-device function.
+
+  forward_device(x, idx, w_TK, w_gate, w_up, w_down) -> (y, order_P, counts_E): the pair plan is the only
+  residual besides the inputs. backward_device(x, w_TK, w_gate, w_up, w_down, order_P, counts_E, dy) ->
+  (dx, dw_TK, dw_gate, dw_up, dw_down).
+  """
+  layout = spec.layout
+  tok, experts = layout.token_spec, layout.expert_specs
+  forward = layout.shard_map(functools.partial(forward_device, spec=spec), in_specs=(tok, tok, tok, *experts),
+                             out_specs=(tok, tok, tok))
+  if spec.static_chunks is not None:
+    return lambda *args: forward(*args)[0]
+  backward = layout.shard_map(functools.partial(backward_device, spec=spec),
+                              in_specs=(tok, tok, *experts, tok, tok, tok), out_specs=(tok, tok, *experts))
+
+  @jax.custom_vjp
+  def ring(x_TD, idx_TK, w_TK, w_gate, w_up, w_down):
+    return forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)[0]
+
+  def ring_fwd(x_TD, idx_TK, w_TK, w_gate, w_up, w_down):
+    y_TD, order_P, counts_E = forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)
+    return y_TD, (x_TD, w_TK, w_gate, w_up, w_down, order_P, counts_E)
+
+  def ring_bwd(residuals, dy_TD):
+    dx, dw_TK, dw_gate, dw_up, dw_down = backward(*residuals, layout.place(dy_TD, tok))
+    return dx, None, dw_TK, dw_gate, dw_up, dw_down
+
+  ring.defvjp(ring_fwd, ring_bwd)
+  return ring

@@ -1,0 +1,106 @@
+"""Token-routing ring (RelayMoE §3.2): token partitions circulate, expert weights stay.
+
+Communication, over a ring of N devices along the expert axis (device r sends to r + 1):
+  forward   `ring_relay` of each device's token partition (rows x_TD, pair plan: sorted token ids, router
+            weights, per-expert counts): at hop h device r holds the partition of device (r − h) mod N and
+            computes its pairs whose experts are local into a float32 [T, D] partial; the partition's output
+            accumulator follows its tokens one hop behind and comes home after N hops. N − 1 token sends,
+            N accumulator sends.
+  backward  `ring_relay` again with the output gradient added to the travelling tokens; the relayed
+            accumulators are dx (float32 [T, D]) and d(router weight) (float32 [T·K]); each hop recomputes its
+            intermediates. Expert weight gradients accumulate where the experts live: no relay. They are then
+            summed over the data-parallel token axes; under expert tensor parallelism outputs, dx and
+            d(router weight) are summed over the tensor axis.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from relaymoe_jax.hop import PairGrads, TokenSide, backward_pairs, forward_pairs
+from relaymoe_jax.layout import vary_like, varying_zeros
+from relaymoe_jax.pair_plan import (PairPlan, make_pair_plan, partition_range, sorted_pair_weights,
+                                    unsort_pair_values)
+from relaymoe_jax.ring import make_ring_spec, ring_relay, ring_vjp
+
+
+class _Partition(NamedTuple):
+  """What travels: one device's tokens and pair plan (and, in backward, its output gradient)."""
+
+  tokens: TokenSide
+  counts_E: jax.Array
+  dy_TD: jax.Array | None = None
+
+
+def _local_range(spec, counts_E):
+  """Pairs of the visiting tokens whose experts live on this device."""
+  r = jax.lax.axis_index(spec.layout.expert_axis)
+  return partition_range(counts_E, r, spec.experts_per_device)
+
+
+def _identity(x):
+  return x
+
+
+def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
+  layout = spec.layout
+  plan = make_pair_plan(idx_TK, spec.num_experts)
+  weights = (w_gate_LDF, w_up_LDF, w_down_LFD)
+
+  def hop(state, h, visiting):
+    zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
+    partial = forward_pairs(visiting.tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
+                            static_chunks=spec.static_chunks, **spec.chunk_options)
+    return state, partial
+
+  own = _Partition(TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK)), plan.counts_E)
+  _, acc_TD = ring_relay(hop, (), own, axis=layout.expert_axis, n=layout.ring_size, to_relay=_identity)
+  return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E
+
+
+def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, dy_TD, *, spec):
+  layout = spec.layout
+  plan = PairPlan(order_P=order_P, counts_E=counts_E)
+  weights = tuple(vary_like(w, layout.compute_axes) for w in (w_gate_LDF, w_up_LDF, w_down_LFD))
+
+  def hop(dW, h, visiting):
+    grads = PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes),
+                      dw_P=varying_zeros(order_P.shape, jnp.float32, layout.compute_axes))
+    grads, dW = backward_pairs(visiting.tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
+                               grads, dW, vary_axes=layout.compute_axes, **spec.chunk_options)
+    return dW, grads
+
+  own = _Partition(TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK)), counts_E, dy_TD)
+  dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
+  dW, grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size, to_relay=_identity)
+  dW = tuple(d.astype(w.dtype) for d, w in zip(dW, (w_gate_LDF, w_up_LDF, w_down_LFD)))
+  if layout.replica_axes:
+    dW = jax.lax.psum(dW, layout.replica_axes)
+  dx_TD = layout.sum_tensor_partials(grads.dx_TD)
+  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(grads.dw_P), w_TK.shape)
+  return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_token_fn(spec):
+  return ring_vjp(spec, _forward_device, _backward_device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingToken:
+  """Token-routing ring dispatcher: preferable when expert weights are large next to a device's tokens.
+
+  Attributes:
+    chunk_rows: R, rows of one grouped-matmul chunk (default as for `RingExpert`).
+    backend: grouped-matmul backend name.
+  """
+
+  chunk_rows: int | None = None
+  backend: str = "xla"
+
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
+    spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend)
+    return _ring_token_fn(spec)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
