@@ -9,6 +9,7 @@ N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-
 """
 
 from relaymoe_jax.all_to_all import AllToAll
+from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
@@ -16,8 +17,9 @@ from relaymoe_jax.moe import DISPATCHERS, make_dispatcher, moe_ffn, shared_exper
 from relaymoe_jax.ring_expert import RingExpert
 from relaymoe_jax.ring_token import RingToken
 from relaymoe_jax.routing import RouterAux, route
+from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
-    "AllToAll", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RingToken", "RouterAux", "TENSOR",
+    "AllToAll", "Auto", "DispatchPlan", "ModeVolume", "plan_dispatch", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RingToken", "RouterAux", "TENSOR",
     "dense_moe", "make_dispatcher", "moe_ffn", "route", "shared_expert",
 ]

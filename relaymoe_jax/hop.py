@@ -85,7 +85,7 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, back
     valid_R1 = rows.valid_R[:, None]
     dw_R = jnp.where(rows.valid_R, jnp.sum(dy_RD * out_RD, axis=-1), 0.0)
     d_out_RD = jnp.where(valid_R1, dy_RD * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None], 0.0)
-    dx_RD, *dW_chunk = swiglu_vjp(d_out_RD)
+    dx_RD, *dW_chunk = swiglu_vjp(vary_like(d_out_RD, vary_axes))
     grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD.astype(jnp.float32), 0.0)),
                       dw_P=grads.dw_P.at[rows.pos_R].add(dw_R))
     return grads, tuple(a + b.astype(jnp.float32) for a, b in zip(dW, dW_chunk))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.all_to_all import AllToAll
+from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense
 from relaymoe_jax.grouped_matmul import matmul_precision
@@ -21,6 +22,7 @@ from relaymoe_jax.ring_token import RingToken
 DISPATCHERS = {
     "ring_expert": RingExpert,
     "ring_token": RingToken,
+    "auto": Auto,
     "all_to_all": AllToAll,
     "dense": Dense,
 }

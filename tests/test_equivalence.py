@@ -133,3 +133,46 @@ FULL_TABLE = [((n,), E_ONLY, e, k, skew, None) for n in (1, 2, 4, 8) for e in (8
 def test_full_table_float32_matches_oracle(case, dispatcher):
   """Every ring size × top-k × expert count × skew of the spec (the default run covers a representative subset)."""
   test_float32_matches_oracle(case, dispatcher)
+
+
+ETP_NAMES = (rm.DATA, rm.EXPERT, rm.TENSOR)
+
+
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
+@pytest.mark.parametrize("skew", [False, True])
+def test_expert_tensor_parallel_matches_oracle(dispatcher, skew):
+  """(2 data × 2 expert × 2 tensor): tokens over data and expert, F of every expert split over tensor."""
+  layer = random_layer(13, TOKENS, D_MODEL, D_FF, 8, 2, skew=skew)
+  assert_matches_oracle(layer, mesh_of((2, 2, 2), ETP_NAMES), F32_RTOL, dispatcher, tensor_axis=rm.TENSOR)
+
+
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
+def test_shared_expert_matches_oracle(dispatcher):
+  """The Qwen2-MoE shared expert (sigmoid-gated SwiGLU of width S), values and gradients of every weight."""
+  layer = random_layer(17, TOKENS, D_MODEL, D_FF, 8, 2)
+  rng = np.random.default_rng(17)
+  s = 20
+  shared = tuple(jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+                 for shape in ((D_MODEL, s), (D_MODEL, s), (s, D_MODEL), (D_MODEL, 1)))
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  c_TD = jnp.asarray(rng.normal(size=(TOKENS, D_MODEL)), jnp.float32)
+
+  def loss(dispatcher, x, w, shared):
+    y = rm.moe_ffn(x, layer["idx_TK"], w, layer["w_gate_EDF"], layer["w_up_EDF"], layer["w_down_EFD"], mesh=mesh,
+                   dispatcher=dispatcher, shared=shared[:3], shared_gate_D1=shared[3])
+    return jnp.sum(y * c_TD)
+
+  def reference(x, w, shared):
+    h = jax.nn.silu(x @ shared[0]) * (x @ shared[1])
+    y = rm.dense_moe(x, layer["idx_TK"], w, layer["w_gate_EDF"], layer["w_up_EDF"], layer["w_down_EFD"])
+    return jnp.sum((y + jax.nn.sigmoid(x @ shared[3]) * (h @ shared[2])) * c_TD)
+
+  with jax.default_matmul_precision("highest"):
+    ref_v, ref_g = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(layer["x_TD"], layer["w_TK"], shared)
+  v, g = jax.jit(jax.value_and_grad(lambda *a: loss(dispatcher, *a), argnums=(0, 1, 2)))(
+      layer["x_TD"], layer["w_TK"], shared)
+  assert abs(float(v) - float(ref_v)) <= F32_RTOL * abs(float(ref_v))
+  for name, a, b in zip(("x", "w_TK"), g[:2], ref_g[:2]):
+    assert_close(a, b, F32_RTOL, name)
+  for i, (a, b) in enumerate(zip(g[2], ref_g[2])):
+    assert_close(a, b, F32_RTOL, f"shared[{i}]")

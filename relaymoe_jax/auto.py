@@ -1,0 +1,35 @@
+"""`dispatcher="auto"`: the ring mode with fewer bytes per hop, chosen at trace time from static shapes.
+
+Moves what the chosen ring moves (see `ring_expert`, `ring_token`); `volume.plan_dispatch` makes the choice.
+"""
+
+import dataclasses
+
+from relaymoe_jax.ring_expert import RingExpert
+from relaymoe_jax.ring_token import RingToken
+from relaymoe_jax.volume import EXPERT_MODE, plan_dispatch
+
+
+def plan_for(layout, x_TD, idx_TK, w_gate_EDF):
+  num_experts, d_model, d_ff = w_gate_EDF.shape
+  return plan_dispatch(tokens_per_device=x_TD.shape[0] // layout.token_shards, d_model=d_model, d_ff=d_ff,
+                       num_experts=num_experts, top_k=idx_TK.shape[1], ring_size=layout.ring_size,
+                       dtype=w_gate_EDF.dtype, expert_tensor_parallel=layout.tensor_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Auto:
+  """Runs `RingExpert` or `RingToken`, whichever `plan_dispatch` says moves fewer bytes per hop.
+
+  Attributes:
+    chunk_rows: passed to the chosen ring.
+    backend: grouped-matmul backend name.
+  """
+
+  chunk_rows: int | None = None
+  backend: str = "xla"
+
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
+    ring = RingExpert if plan_for(layout, x_TD, idx_TK, w_gate_EDF).mode == EXPERT_MODE else RingToken
+    return ring(chunk_rows=self.chunk_rows, backend=self.backend)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
+                                                                  w_down_EFD, layout=layout)
