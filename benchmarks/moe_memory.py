@@ -39,10 +39,16 @@ class LayerShape:
 
 VARIANTS = {
     "ring_expert": ("ring_expert", {}),
+    "ring_token": ("ring_token", {}),
+    "auto": ("auto", {}),
     "ring_expert_autodiff": ("ring_expert", {"recompute": False}),
     "a2a_dropless": ("all_to_all", {}),
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
 }
+# Per-hop bytes of the two ring modes at the paper's real sizes (D 2048, top-8, EP 8, bf16), from the volume model.
+MODE_CONFIGS = [("E128 F768 (Qwen3-30B)", 128, 768), ("E64 F512", 64, 512), ("E128 F2048", 128, 2048),
+                ("E384 F768", 384, 768), ("E384 F2048", 384, 2048)]
+MODE_TOKENS = (2048, 8192, 32768, 65536)
 
 
 def expert_mesh(num_devices, backend="cpu"):
@@ -76,11 +82,25 @@ def fwd_bwd_memory(variant, shape, mesh, dtype=jnp.float32):
 
 
 def grid(quick):
-  """The paper's scaling grid (K 4–16, E 64/128, F 512–2048 at D 2048) scaled to CPU by 1/8 in D and F."""
-  tokens = 512 if quick else 1024
-  ks = (8,) if quick else (4, 8, 12, 16)
-  es = (64,) if quick else (64, 128)
-  return [LayerShape(tokens_per_device=tokens, d_model=256, d_ff=96, num_experts=e, top_k=k) for e in es for k in ks]
+  """The paper's scaling grid (K 4–16, E 64/128 at D 2048, F 768) scaled to CPU by 1/8 in D and F, then a wide-expert
+  case (E384, F2048 → 256) with few tokens and a narrow one (E64, F512 → 64) with many."""
+  if quick:
+    return [LayerShape(tokens_per_device=512, d_model=256, d_ff=96, num_experts=64, top_k=8)]
+  paper = [LayerShape(tokens_per_device=1024, d_model=256, d_ff=96, num_experts=e, top_k=k)
+           for e in (64, 128) for k in (4, 8, 12, 16)]
+  return paper + [LayerShape(tokens_per_device=256, d_model=256, d_ff=256, num_experts=384, top_k=8),
+                  LayerShape(tokens_per_device=4096, d_model=256, d_ff=64, num_experts=64, top_k=8)]
+
+
+def mode_rows():
+  rows = []
+  for name, e, f in MODE_CONFIGS:
+    for t in MODE_TOKENS:
+      plan = rm.plan_dispatch(tokens_per_device=t, d_model=2048, d_ff=f, num_experts=e, top_k=8, ring_size=8)
+      rows.append(dict(config=name, tokens_per_device=t, mode=plan.mode,
+                       expert_bytes_per_hop=plan.expert_routing.bytes_per_hop,
+                       token_bytes_per_hop=plan.token_routing.bytes_per_hop))
+  return rows
 
 
 def main(argv=None):
@@ -103,9 +123,10 @@ def main(argv=None):
               backend=args.platform, devices=args.devices, dtype="float32",
               xla_flags=os.environ.get("XLA_FLAGS", ""), measure="compile-only memory_analysis().temp_size_in_bytes")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  modes = mode_rows()
   with open(args.out, "w") as fh:
-    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-  table = render_table(rows, meta)
+    json.dump(dict(meta=meta, rows=rows, mode_rows=modes), fh, indent=1)
+  table = render_mode_table(modes) + "\n\n" + render_table(rows, meta)
   with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
     fh.write(table + "\n")
   print(table)
@@ -115,20 +136,29 @@ def _mib(b):
   return f"{b / 2**20:9.2f}"
 
 
+def render_mode_table(modes):
+  lines = ["# ring modes: bytes one device sends per hop (forward + backward), volume model, D=2048 K=8 EP=8 bf16",
+           "| experts | T/dev | ring_expert MiB/hop | ring_token MiB/hop | auto picks |", "|---|---|---|---|---|"]
+  lines += [f"| {r['config']} | {r['tokens_per_device']} | {r['expert_bytes_per_hop'] / 2**20:.1f} | "
+            f"{r['token_bytes_per_hop'] / 2**20:.1f} | {r['mode']} |" for r in modes]
+  return "\n".join(lines)
+
+
 def _format_row(row):
   temps = {v: row[v]["temp_bytes"] for v in VARIANTS}
   ring = temps["ring_expert"]
-  return (f"| {row['ep']:>2} | {row['num_experts']:>3} | {row['top_k']:>2} | {row['tokens_per_device']:>5} | "
+  return (f"| {row['ep']:>2} | {row['num_experts']:>3} | {row['top_k']:>2} | {row['d_ff']:>3} | "
+          f"{row['tokens_per_device']:>5} | "
           + " | ".join(_mib(temps[v]) for v in VARIANTS)
           + f" | {temps['a2a_dropless'] / ring:6.2f} | {temps['a2a_cf1'] / ring:6.2f} |"
           + f" {temps['ring_expert_autodiff'] / ring:6.2f} |")
 
 
 def render_table(rows, meta):
-  head = ("| EP |   E |  K | T/dev | " + " | ".join(f"{v} MiB" for v in VARIANTS)
+  head = ("| EP |   E |  K |   F | T/dev | " + " | ".join(f"{v} MiB" for v in VARIANTS)
           + " | dropless/ring | cf1/ring | autodiff/ring |")
   lines = [f"# moe_memory: fwd+bwd compiled temporaries per device ({meta['backend']}, jax {meta['jax']}, "
-           f"python {meta['python']}, {meta['dtype']}, D=256 F=96)", head,
+           f"python {meta['python']}, {meta['dtype']}, D=256)", head,
            "|" + "|".join("---" for _ in head.split("|")[1:-1]) + "|"]
   lines += [_format_row(r) for r in rows]
   pick = next((r for r in rows if r["top_k"] == 8), rows[0])

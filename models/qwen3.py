@@ -25,6 +25,7 @@ from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 
 TOKEN_AXES = (DATA, EXPERT)
 FSDP = "fsdp"  # placeholder in PARAM_SPECS: DATA when FSDP is on, else replicated
+ETP = "etp"  # placeholder in PARAM_SPECS: TENSOR when expert tensor parallelism is on, else replicated
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,7 @@ class Qwen3MoEConfig:
   # Attention remat: one bool for every layer or one per layer (True = recompute in backward).
   remat_attention: bool | tuple[bool, ...] = False
   fsdp: bool = False
+  moe_tensor_parallel: bool = False  # split F of every expert over 'tensor' (expert tensor parallelism)
 
   def __post_init__(self):
     object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
@@ -99,15 +101,15 @@ PARAM_SPECS = {
     "q_DH": P(FSDP, TENSOR), "kv_DG": P(FSDP, TENSOR), "o_HD": P(TENSOR, FSDP),
     "bias_H": P(TENSOR), "head_norm": P(None), "norm_D": P(None),
     "mlp_in_DF": P(FSDP, TENSOR), "mlp_out_FD": P(TENSOR, FSDP),
-    "router_DE": P(None, None), "shared_gate_D1": P(None, None),
-    "experts_in_EDF": P(EXPERT, None, None), "experts_out_EFD": P(EXPERT, None, None),
+    "router_DE": P(None, None), "shared_gate_D1": P(FSDP, None),
+    "experts_in_EDF": P(EXPERT, None, ETP), "experts_out_EFD": P(EXPERT, ETP, None),
     "lm_head_DV": P(FSDP, TENSOR),
 }
 
 
-def param_spec(role, fsdp):
-  spec = PARAM_SPECS[role]
-  return P(*((DATA if fsdp else None) if a == FSDP else a for a in spec))
+def param_spec(role, config):
+  placeholders = {FSDP: DATA if config.fsdp else None, ETP: TENSOR if config.moe_tensor_parallel else None}
+  return P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
 
 
 class _Layer(nnx.Module):
@@ -123,7 +125,7 @@ class _Layer(nnx.Module):
 def _make_param(config, mesh, rngs, role, shape, init="normal"):
   initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
       init, nnx.initializers.normal(config.initializer_range))
-  spec = tuple(param_spec(role, config.fsdp))
+  spec = tuple(param_spec(role, config))
   return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
 
 
@@ -193,10 +195,6 @@ class Attention(_Layer):
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
-def swiglu(x, w_in_gate, w_in_up, w_out):
-  return (jax.nn.silu(x @ w_in_gate) * (x @ w_in_up)) @ w_out
-
-
 class DenseMLP(_Layer):
 
   def __init__(self, config, width, mesh, rngs):
@@ -207,7 +205,7 @@ class DenseMLP(_Layer):
     self.down_FD = param("mlp_out_FD", (width, d))
 
   def __call__(self, x):
-    return swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
+    return rm.dense_swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
 
 
 class MoE(_Layer):
@@ -223,7 +221,9 @@ class MoE(_Layer):
     self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
     self.w_down_EFD = param("experts_out_EFD", (e, f, d))
     if c.shared_expert_intermediate_size:
-      self.shared = DenseMLP(c, c.shared_expert_intermediate_size, mesh, rngs)
+      s = c.shared_expert_intermediate_size
+      self.shared_gate_DS, self.shared_up_DS = param("mlp_in_DF", (d, s)), param("mlp_in_DF", (d, s))
+      self.shared_down_SD = param("mlp_out_FD", (s, d))
       self.shared_gate_D1 = param("shared_gate_D1", (d, 1))
 
   def __call__(self, x_BSD):
@@ -232,12 +232,14 @@ class MoE(_Layer):
     x_TD = x_BSD.reshape(b * s, d)
     idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
                                  norm_topk_prob=c.norm_topk_prob)
-    y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
-                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=c.dispatcher,
-                      token_axes=TOKEN_AXES, **dict(c.dispatcher_options))
+    shared = {}
     if c.shared_expert_intermediate_size:
-      gate_T1 = jax.nn.sigmoid(x_TD @ self.cast(self.shared_gate_D1))
-      y_TD = y_TD + gate_T1 * self.shared(x_TD)
+      shared = dict(shared=(self.cast(self.shared_gate_DS), self.cast(self.shared_up_DS),
+                            self.cast(self.shared_down_SD)), shared_gate_D1=self.cast(self.shared_gate_D1))
+    y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
+                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=c.dispatcher, token_axes=TOKEN_AXES,
+                      tensor_axis=TENSOR if c.moe_tensor_parallel else None, **shared,
+                      **dict(c.dispatcher_options))
     return y_TD.reshape(b, s, d), aux
 
 

@@ -13,7 +13,7 @@ from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
-from relaymoe_jax.moe import DISPATCHERS, make_dispatcher, moe_ffn, shared_expert
+from relaymoe_jax.moe import DISPATCHERS, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
 from relaymoe_jax.ring_expert import RingExpert
 from relaymoe_jax.ring_token import RingToken
 from relaymoe_jax.routing import RouterAux, route
@@ -21,5 +21,5 @@ from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
     "AllToAll", "Auto", "DispatchPlan", "ModeVolume", "plan_dispatch", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RingToken", "RouterAux", "TENSOR",
-    "dense_moe", "make_dispatcher", "moe_ffn", "route", "shared_expert",
+    "dense_moe", "dense_swiglu", "make_dispatcher", "moe_ffn", "route", "shared_expert",
 ]

@@ -117,17 +117,22 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
   return y_TD
 
 
-def shared_expert(x_TD, w_gate_DS, w_up_DS, w_down_SD, gate_D1=None):
-  """The Qwen2-MoE shared expert: SwiGLU of width S on every token, scaled by sigmoid(x · gate) if given.
-
-  Replicated weights, so XLA computes it where the tokens are; no communication beyond the gradient all-reduce.
-  """
+def dense_swiglu(x_TD, w_gate_DS, w_up_DS, w_down_SD):
+  """down(silu(x·gate) · (x·up)) on every token, float32 accumulation, x's dtype out. Global arrays: XLA
+  partitions it along the weights' and tokens' shardings."""
   f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(x_TD.dtype))
   h_TS = jax.nn.silu(jnp.dot(x_TD, w_gate_DS, **f32)) * jnp.dot(x_TD, w_up_DS, **f32)
-  y_TD = jnp.dot(h_TS.astype(x_TD.dtype), w_down_SD, **f32)
-  if gate_D1 is not None:
-    y_TD = jax.nn.sigmoid(jnp.dot(x_TD, gate_D1, **f32)) * y_TD
-  return y_TD.astype(x_TD.dtype)
+  return jnp.dot(h_TS.astype(x_TD.dtype), w_down_SD, **f32).astype(x_TD.dtype)
+
+
+def shared_expert(x_TD, w_gate_DS, w_up_DS, w_down_SD, gate_D1=None):
+  """The Qwen2-MoE shared expert: a SwiGLU of width S on every token, scaled by sigmoid(x · gate) if given.
+  Computed where the tokens are, outside the ring."""
+  y_TD = dense_swiglu(x_TD, w_gate_DS, w_up_DS, w_down_SD)
+  if gate_D1 is None:
+    return y_TD
+  gate_T1 = jnp.dot(x_TD, gate_D1, preferred_element_type=jnp.float32, precision=matmul_precision(x_TD.dtype))
+  return (jax.nn.sigmoid(gate_T1) * y_TD).astype(x_TD.dtype)
 
 
 def _check_shared(x_TD, shared, gate_D1):

@@ -50,3 +50,30 @@ def test_bad_input_is_named(changes, kwargs, message):
 def test_route_rejects_top_k_out_of_range(top_k):
   with pytest.raises(ValueError, match=f"top_k={top_k}"):
     rm.route(jnp.ones((4, 3)), jnp.ones((3, 8)), top_k=top_k)
+
+
+ETP_BAD = [
+    ("F not divisible by tensor", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][..., :9],
+                                       w_up_EDF=lambda l: l["w_up_EDF"][..., :9],
+                                       w_down_EFD=lambda l: l["w_down_EFD"][:, :9]), {}, "F=9 is not divisible"),
+    ("tensor axis missing", {}, dict(tensor_axis="tp"), "tensor_axis 'tp' is not an axis"),
+    ("tensor axis splits tokens", {}, dict(tensor_axis="tensor", token_axes=("expert", "tensor")),
+     "cannot also split tokens"),
+]
+
+
+@pytest.mark.parametrize("changes,kwargs,message", [b[1:] for b in ETP_BAD], ids=[b[0] for b in ETP_BAD])
+def test_bad_tensor_parallel_input_is_named(changes, kwargs, message):
+  kwargs = dict(dict(tensor_axis="tensor"), **kwargs)
+  with pytest.raises(ValueError, match=message):
+    _call(_with(**changes), mesh_of((4, 2), ("expert", "tensor")), **kwargs)
+
+
+def test_bad_shared_expert_is_named():
+  layer = _with()
+  shared = (jnp.ones((8, 4)), jnp.ones((8, 4)), jnp.ones((8, 4)))
+  with pytest.raises(ValueError, match="w_down_SD"):
+    _call(layer, mesh_of((4,), (rm.EXPERT,)), shared=shared)
+  with pytest.raises(ValueError, match="shared_gate_D1"):
+    _call(layer, mesh_of((4,), (rm.EXPERT,)), shared=shared[:2] + (jnp.ones((4, 8)),),
+          shared_gate_D1=jnp.ones((8, 2)))

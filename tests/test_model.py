@@ -62,13 +62,23 @@ def _loss_and_grads(config, mesh, tokens):
   return value, nnx.to_pure_dict(grads)
 
 
-QWEN2_OPTIONS = dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32)
+VARIANTS = {
+    "qwen3": ({}, MeshConfig(data=2, expert=4)),
+    "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32), MeshConfig(data=2, expert=4)),
+    "qwen3-etp": (dict(moe_tensor_parallel=True), MeshConfig(data=2, expert=2, tensor=2)),
+}
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "qwen2"])
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
-def test_model_under_dispatcher_matches_dense(mesh, dispatcher, variant):
-  extra = QWEN2_OPTIONS if variant == "qwen2" else {}
+DEFAULT_PAIRS = [("ring_expert", "qwen3"), ("ring_expert", "qwen2"), ("ring_expert", "qwen3-etp"),
+                 ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
+MODEL_PAIRS = [pytest.param(d, v, marks=() if (d, v) in DEFAULT_PAIRS else pytest.mark.slow)
+               for d in ("ring_expert", "ring_token", "all_to_all") for v in sorted(VARIANTS)]
+
+
+@pytest.mark.parametrize("dispatcher,variant", MODEL_PAIRS)
+def test_model_under_dispatcher_matches_dense(dispatcher, variant):
+  extra, mesh_config = VARIANTS[variant]
+  mesh = build_mesh(mesh_config)
   config = qwen3.load_config("tiny", **extra)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 17)), jnp.int32)
   ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens)

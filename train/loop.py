@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import relaymoe_jax as rm
 from models import qwen3
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from train.config import RunConfig
@@ -46,6 +47,18 @@ def model_config_for(run):
   if run.dispatcher:
     overrides["dispatcher"] = run.dispatcher
   return qwen3.load_config(run.model, **overrides)
+
+
+def dispatch_plan(model_config, run_config, mesh):
+  """Both ring modes' per-hop bytes for this run's MoE layers, and which one `auto` runs (logged at start)."""
+  if not any(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers)):
+    return None
+  token_shards = math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+  return rm.plan_dispatch(
+      tokens_per_device=run_config.batch_size * run_config.seq_len // token_shards,
+      d_model=model_config.hidden_size, d_ff=model_config.moe_intermediate_size,
+      num_experts=model_config.num_experts, top_k=model_config.num_experts_per_tok, ring_size=mesh.shape[EXPERT],
+      dtype=model_config.dtype, expert_tensor_parallel=mesh.shape[TENSOR] if model_config.moe_tensor_parallel else 1)
 
 
 def global_batch(tokens, mesh):
@@ -181,12 +194,15 @@ def run(run_config: RunConfig, *, resume=False):
   compiled = step_fn.lower(state, global_batch(source.batch(start, b, s), mesh)).compile()
   flops_per_step = model_flops_per_token(model_config, s) * b * s
   peak_tflops = _peak_tflops(run_config)
-  log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
+  plan = dispatch_plan(model_config, run_config, mesh)
   if jax.process_index() == 0:
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(),
-        entropy_floor=source.entropy_floor), indent=1, default=str))
+        entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict()), indent=1, default=str))
+    if plan:
+      print(f"MoE dispatcher {model_config.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
+  log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
   history = []
   pending = None  # (step, metrics of that step) still on device: read one step late
   window_start, window_steps = time.perf_counter(), 0
