@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.grouped_matmul import fuse_gate_up, split_gate_up
 from relaymoe_jax.hop import PairGrads, TokenSide, backward_pairs, forward_pairs
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import (PairPlan, make_pair_plan, partition_range, sorted_pair_weights,
@@ -39,7 +40,8 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
                          static_chunks=spec.static_chunks, **spec.chunk_options)
 
   acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
-  acc_TD = ring_pass(hop, acc_TD, (w_gate_LDF, w_up_LDF, w_down_LFD), axis=layout.expert_axis, n=layout.ring_size)
+  weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
+  acc_TD = ring_pass(hop, acc_TD, weights, axis=layout.expert_axis, n=layout.ring_size)
   return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E
 
 
@@ -47,7 +49,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
-  own = (w_gate_LDF, w_up_LDF, w_down_LFD)
+  own = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(grads, h, weights):
     dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
@@ -58,8 +60,9 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
                     dw_P=varying_zeros(order_P.shape, jnp.float32, layout.compute_axes))
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)
   to_weight_dtype = lambda dW: tuple(d.astype(w.dtype) for d, w in zip(dW, own))  # noqa: E731
-  grads, dW_own = ring_relay(hop, grads, own_v, axis=layout.expert_axis, n=layout.ring_size,
-                             to_relay=to_weight_dtype)
+  grads, (dw_gate_up, dw_down) = ring_relay(hop, grads, own_v, axis=layout.expert_axis, n=layout.ring_size,
+                                            to_relay=to_weight_dtype)
+  dW_own = (*split_gate_up(dw_gate_up), dw_down)
   if layout.replica_axes:
     dW_own = jax.lax.psum(dW_own, layout.replica_axes)
   dx_TD = layout.sum_tensor_partials(grads.dx_TD)

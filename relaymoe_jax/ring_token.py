@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.grouped_matmul import fuse_gate_up, split_gate_up
 from relaymoe_jax.hop import PairGrads, TokenSide, backward_pairs, forward_pairs
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import (PairPlan, make_pair_plan, partition_range, sorted_pair_weights,
@@ -48,7 +49,7 @@ def _identity(x):
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
   layout = spec.layout
   plan = make_pair_plan(idx_TK, spec.num_experts)
-  weights = (w_gate_LDF, w_up_LDF, w_down_LFD)
+  weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(state, h, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
@@ -64,7 +65,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, dy_TD, *, spec):
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
-  weights = tuple(vary_like(w, layout.compute_axes) for w in (w_gate_LDF, w_up_LDF, w_down_LFD))
+  weights = tuple(vary_like(w, layout.compute_axes) for w in (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD))
 
   def hop(dW, h, visiting):
     grads = PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes),
@@ -75,8 +76,9 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
 
   own = _Partition(TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK)), counts_E, dy_TD)
   dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
-  dW, grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size, to_relay=_identity)
-  dW = tuple(d.astype(w.dtype) for d, w in zip(dW, (w_gate_LDF, w_up_LDF, w_down_LFD)))
+  (dw_gate_up, dw_down), grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size,
+                                            to_relay=_identity)
+  dW = tuple(d.astype(w_down_LFD.dtype) for d in (*split_gate_up(dw_gate_up), dw_down))
   if layout.replica_axes:
     dW = jax.lax.psum(dW, layout.replica_axes)
   dx_TD = layout.sum_tensor_partials(grads.dx_TD)
