@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import expert_swiglu, fuse_gate_up
+from relaymoe_jax.grouped_matmul import expert_swiglu, fuse_gate_up, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
 
 
@@ -78,7 +78,7 @@ class AllToAll:
   """
 
   capacity_factor: float | None = None
-  backend: str = "xla"
+  backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -88,6 +88,6 @@ class AllToAll:
                                   self.capacity_factor)
     tok = layout.token_spec
     per_device = functools.partial(_a2a_device, layout=layout, num_experts=num_experts, slots=slots,
-                                   backend=self.backend)
+                                   backend=resolve_backend(self.backend))
     return layout.shard_map(per_device, in_specs=(tok, tok, tok, *layout.expert_specs), out_specs=tok)(
         x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

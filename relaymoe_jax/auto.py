@@ -27,7 +27,7 @@ class Auto:
   """
 
   chunk_rows: int | None = None
-  backend: str = "xla"
+  backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     ring = RingExpert if plan_for(layout, x_TD, idx_TK, w_gate_EDF).mode == EXPERT_MODE else RingToken

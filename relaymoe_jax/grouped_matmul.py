@@ -1,14 +1,27 @@
 """Grouped-matmul backends and the SwiGLU expert built on them.
 
-No communication. A backend computes out[m] = lhs[m] @ rhs[g(m)] for rows grouped contiguously by group_sizes;
-rows past sum(group_sizes) are unspecified (callers mask them). `xla` is `lax.ragged_dot`, which runs everywhere
-(on CPU and, without a kernel, on GPU it is a dense masked dot: G× the work); faster kernels register here.
+No communication. A backend computes out[m] = lhs[m] @ rhs[g(m)] for rows grouped contiguously by group_sizes,
+with zeros in rows past sum(group_sizes). Backends:
+  xla               `lax.ragged_dot`: runs everywhere; on CPU and (as of JAX 0.11) GPU a dense masked dot.
+  mosaic_gpu        JAX's Hopper Mosaic GPU kernels (see `mosaic_gpu.py`), through `kernel_backend`.
+  kernel_reference  the `kernel_backend` path with `lax` reference kernels that, like the Mosaic ones, leave
+                    garbage past sum(group_sizes): checks the custom_vjp, masking and fallbacks anywhere.
+  auto              mosaic_gpu on Hopper GPUs, xla elsewhere.
+`kernel_backend` wraps three kernels (forward, input gradient, weight gradient) into a differentiable grouped
+matmul, and falls back to `xla` with a logged reason for shapes or dtypes the kernels do not take.
 """
 
+import dataclasses
+import functools
+import logging
 from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from relaymoe_jax.layout import vary_like, varying_axes
+
+log = logging.getLogger(__name__)
 
 
 class GroupedMatmul(Protocol):
@@ -22,12 +35,124 @@ def _xla_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, p
       lhs_MK, rhs_GKN, group_sizes_G, precision=precision, preferred_element_type=preferred_element_type)
 
 
-BACKENDS: dict[str, GroupedMatmul] = {"xla": _xla_ragged_dot}
+@dataclasses.dataclass(frozen=True)
+class GroupedKernels:
+  """Three grouped-matmul kernels that compute in the inputs' dtype (float32 accumulation inside) and may leave
+  anything in rows past sum(group_sizes).
+
+  Attributes:
+    forward: (lhs_MK, rhs_GKN, sizes_G) -> out_MN.
+    lhs_grad: (d_out_MN, rhs_GKN, sizes_G) -> d_lhs_MK, i.e. d_out @ rhs[g]ᵀ per group.
+    rhs_grad: (lhs_MK, d_out_MN, sizes_G) -> d_rhs_GKN, i.e. lhs[rows of g]ᵀ @ d_out[rows of g] (zero if empty).
+    unsupported: (m, k, n, dtype) -> None, or the reason these kernels cannot take that shape.
+  """
+
+  name: str
+  forward: Callable
+  lhs_grad: Callable
+  rhs_grad: Callable
+  unsupported: Callable
+
+
+def _rows_in_groups(x_M, sizes_G):
+  """Zeros in rows past sum(sizes): kernels leave garbage there (NaN would leak into dx)."""
+  valid = jnp.arange(x_M.shape[0]) < jnp.sum(sizes_G)
+  return jnp.where(valid.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.zeros((), x_M.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_vjp(kernels):
+  """The differentiable grouped matmul of one kernel set: forward, then input and weight gradients."""
+
+  @jax.custom_vjp
+  def gmm(lhs_MK, rhs_GKN, sizes_G):
+    return _rows_in_groups(kernels.forward(lhs_MK, rhs_GKN, sizes_G), sizes_G)
+
+  def gmm_fwd(lhs_MK, rhs_GKN, sizes_G):
+    return gmm(lhs_MK, rhs_GKN, sizes_G), (lhs_MK, rhs_GKN, sizes_G)
+
+  def gmm_bwd(residuals, d_out_MN):
+    lhs_MK, rhs_GKN, sizes_G = residuals
+    d_out_MN = _rows_in_groups(d_out_MN.astype(lhs_MK.dtype), sizes_G)
+    d_lhs = _rows_in_groups(kernels.lhs_grad(d_out_MN, rhs_GKN, sizes_G), sizes_G)
+    d_rhs = kernels.rhs_grad(lhs_MK, d_out_MN, sizes_G)
+    # Kernels come back invariant inside shard_map; cotangents must carry their primal's varying axes.
+    return vary_like(d_lhs, varying_axes(lhs_MK)), vary_like(d_rhs, varying_axes(rhs_GKN)), None
+
+  gmm.defvjp(gmm_fwd, gmm_bwd)
+  return gmm
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(name, reason):
+  log.warning("grouped matmul: %s falls back to xla: %s", name, reason)
+
+
+def kernel_backend(kernels) -> GroupedMatmul:
+  """A backend running `kernels` where they apply and `xla` elsewhere (logged once per reason)."""
+
+  def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, precision):
+    (m, k), n = lhs_MK.shape, rhs_GKN.shape[2]
+    reason = kernels.unsupported(m, k, n, jnp.dtype(lhs_MK.dtype))
+    if reason:
+      _log_fallback(kernels.name, reason)
+      return _xla_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
+                             precision=precision)
+    axes = tuple(sorted(set(varying_axes(lhs_MK)) | set(varying_axes(rhs_GKN))))
+    lhs_MK, rhs_GKN = vary_like(lhs_MK, axes), vary_like(rhs_GKN, axes)
+    out = vary_like(_kernel_vjp(kernels)(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32)), axes)
+    return out.astype(preferred_element_type)
+
+  return gmm
+
+
+def _garbage_past_groups(x, sizes_G):
+  return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(sizes_G))[:, None], x, jnp.nan)
+
+
+def _reference_rhs_grad(lhs_MK, d_out_MN, sizes_G):
+  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(lhs_MK, d_out_MN, sizes_G, dims, precision=jax.lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32).astype(lhs_MK.dtype)
+
+
+def _reference_dot(lhs, rhs, sizes_G):
+  out = jax.lax.ragged_dot(lhs, rhs, sizes_G, precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return _garbage_past_groups(out.astype(lhs.dtype), sizes_G)
+
+
+REFERENCE_KERNELS = GroupedKernels(
+    name="kernel_reference",
+    forward=_reference_dot,
+    lhs_grad=lambda d_out, rhs, sizes: _reference_dot(d_out, jnp.swapaxes(rhs, 1, 2), sizes),
+    rhs_grad=_reference_rhs_grad,
+    unsupported=lambda m, k, n, dtype: (f"k={k} is odd" if k % 2 else None),  # a stand-in constraint to test
+)
+
+BACKENDS: dict[str, GroupedMatmul] = {"xla": _xla_ragged_dot, "kernel_reference": kernel_backend(REFERENCE_KERNELS)}
+
+
+def _hopper():
+  device = jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def resolve_backend(name):
+  """'auto' → 'mosaic_gpu' on Hopper GPUs, else 'xla'; any other name is checked and returned."""
+  if name == "auto":
+    return "mosaic_gpu" if _hopper() else "xla"
+  if name not in BACKENDS and name != "mosaic_gpu":
+    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'mosaic_gpu', 'auto'])}")
+  return name
 
 
 def get_backend(name) -> GroupedMatmul:
-  if name not in BACKENDS:
-    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted(BACKENDS)}")
+  name = resolve_backend(name)
+  if name == "mosaic_gpu" and name not in BACKENDS:
+    from relaymoe_jax import mosaic_gpu  # noqa: PLC0415  (imports Pallas Mosaic GPU: only where it is used)
+    BACKENDS[name] = kernel_backend(mosaic_gpu.KERNELS)
   return BACKENDS[name]
 
 

@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import ROW_ALIGN, max_chunk_rows
+from relaymoe_jax.grouped_matmul import ROW_ALIGN, max_chunk_rows, resolve_backend
 from relaymoe_jax.layout import ExpertLayout
 
 
@@ -102,6 +102,7 @@ def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
 
 
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True):
+  backend = resolve_backend(backend)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   num_experts, d_model, d_ff = w_gate_EDF.shape

@@ -82,14 +82,15 @@ class RingExpert:
   Attributes:
     chunk_rows: R, rows of one grouped-matmul chunk; default the balanced share ceil(T·K/N) rounded up to 128
       (capped for backends without a grouped kernel, see `grouped_matmul.max_chunk_rows`).
-    backend: grouped-matmul backend name (see `grouped_matmul.BACKENDS`).
+    backend: grouped-matmul backend: "auto" (Mosaic GPU kernels on Hopper, else "xla"), "xla", "mosaic_gpu",
+      "kernel_reference" (see `grouped_matmul`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
       intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
       forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.
   """
 
   chunk_rows: int | None = None
-  backend: str = "xla"
+  backend: str = "auto"
   recompute: bool = True
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):

@@ -101,7 +101,7 @@ class RingToken:
   """
 
   chunk_rows: int | None = None
-  backend: str = "xla"
+  backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend)

@@ -1,0 +1,116 @@
+"""The kernel-backed grouped matmul: its custom_vjp (forward, input and weight gradients), masking of the rows a
+kernel leaves unwritten, the fallback to xla, and backend selection. On CPU the kernels are `lax` references that
+write NaN past the groups, as the Mosaic GPU kernels leave garbage there; on a Hopper GPU the real kernels are
+checked against `lax.ragged_dot` too."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import relaymoe_jax as rm
+from conftest import assert_close, mesh_of, random_layer
+from relaymoe_jax import grouped_matmul as gm
+from test_equivalence import DATA_EXPERT, F32_RTOL, assert_matches_oracle
+
+GROUPS = {
+    "random": [5, 17, 0, 30, 12, 0, 9, 23],
+    "skewed": [0, 0, 0, 96, 0, 0, 0, 0],
+    "empty_tail": [40, 0, 0, 0, 0, 0, 0, 0],  # 56 of 96 rows belong to no group
+}
+
+
+def _operands(seed, m=96, k=32, n=48, g=8, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=(m, k)), dtype), jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), dtype),
+          jnp.asarray(rng.normal(size=(m, n)), jnp.float32))
+
+
+def _loss_and_grads(gmm, lhs, rhs, sizes, c):
+  def loss(lhs, rhs):
+    out = gmm(lhs, rhs, sizes, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(out * c), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(lhs, rhs)
+  return out, grads
+
+
+def _check_against_xla(backend, lhs, rhs, sizes, c, rtol):
+  out_ref, (dl_ref, dr_ref) = _loss_and_grads(gm.get_backend("xla"), lhs, rhs, sizes, c)
+  out, (dl, dr) = _loss_and_grads(gm.get_backend(backend), lhs, rhs, sizes, c)
+  assert_close(out, out_ref, rtol, "out")
+  assert_close(dl, dl_ref, rtol, "d lhs")
+  assert_close(dr, dr_ref, rtol, "d rhs")
+  rows = int(np.sum(sizes))
+  assert not np.any(np.asarray(out[rows:])) and not np.any(np.asarray(dl[rows:]))  # zeros, as lax.ragged_dot
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+def test_kernel_vjp_matches_ragged_dot(groups):
+  lhs, rhs, c = _operands(1)
+  _check_against_xla("kernel_reference", lhs, rhs, jnp.asarray(GROUPS[groups], jnp.int32), c, 1e-6)
+
+
+def test_kernel_vjp_inside_shard_map_keeps_varying_types():
+  """Inside shard_map with check_vma, rows varying over the mesh and weights invariant over 'data': the cotangent
+  of the invariant weights is summed over 'data' (by JAX, outside the custom_vjp), exactly as for xla."""
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  lhs, rhs, c = _operands(2, m=8 * 96)
+  sizes = jnp.asarray(GROUPS["random"], jnp.int32)
+
+  def per_device(lhs, rhs, c, backend):
+    out = gm.get_backend(backend)(lhs, rhs, sizes, preferred_element_type=jnp.float32,
+                                  precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.psum(jnp.sum(out * c), DATA_EXPERT)
+
+  def grads(backend):
+    f = jax.shard_map(lambda a, b, cc: per_device(a, b, cc, backend), mesh=mesh,
+                      in_specs=(P(DATA_EXPERT), P(rm.EXPERT), P(DATA_EXPERT)), out_specs=P(), check_vma=True)
+    return jax.jit(jax.grad(f, argnums=(0, 1)))(lhs, jnp.tile(rhs, (4, 1, 1)), c)
+
+  for a, b in zip(grads("kernel_reference"), grads("xla")):
+    assert_close(a, b, 1e-6)
+
+
+def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
+  lhs, rhs, c = _operands(3, k=33)  # the reference kernels refuse odd K
+  gm._log_fallback.cache_clear()
+  with caplog.at_level(logging.WARNING, logger=gm.__name__):
+    _check_against_xla("kernel_reference", lhs, rhs, jnp.asarray(GROUPS["random"], jnp.int32), c, 1e-6)
+  assert "kernel_reference falls back to xla: k=33 is odd" in caplog.text
+
+
+def test_backend_selection():
+  assert gm.resolve_backend("auto") == ("mosaic_gpu" if gm._hopper() else "xla")
+  assert gm.resolve_backend("kernel_reference") == "kernel_reference"
+  with pytest.raises(ValueError, match="backend 'cutlass'"):
+    gm.resolve_backend("cutlass")
+
+
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
+def test_dispatchers_on_the_kernel_path_match_the_oracle(dispatcher):
+  layer = random_layer(21, 64, 16, 24, 16, 4, skew=dispatcher == "ring_token")
+  assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, dispatcher, backend="kernel_reference")
+
+
+def _hopper_or_skip():
+  if not gm._hopper():
+    pytest.skip("the Mosaic GPU kernels need a Hopper GPU (CPU runs check the same path with reference kernels)")
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+def test_mosaic_gpu_matches_ragged_dot_on_hopper(groups):
+  """bf16 inputs, outputs and all gradients against lax.ragged_dot computed in float32 on the same inputs."""
+  _hopper_or_skip()
+  g = len(GROUPS[groups])
+  scale = 1024 // 96
+  sizes = jnp.asarray([s * scale for s in GROUPS[groups]], jnp.int32)
+  lhs, rhs, c = _operands(4, m=1024, k=256, n=384, g=g, dtype=jnp.bfloat16)
+  out_ref, (dl_ref, dr_ref) = _loss_and_grads(gm.get_backend("xla"), lhs.astype(jnp.float32),
+                                              rhs.astype(jnp.float32), sizes, c)
+  out, (dl, dr) = _loss_and_grads(gm.get_backend("mosaic_gpu"), lhs, rhs, sizes, c)
+  for name, a, b in (("out", out, out_ref), ("d lhs", dl, dl_ref), ("d rhs", dr, dr_ref)):
+    assert_close(a, b, 2e-2, name)
+  assert not np.any(np.asarray(out[int(np.sum(sizes)):]))
