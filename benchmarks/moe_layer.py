@@ -1,0 +1,238 @@
+"""One MoE layer, fwd+bwd, bf16, on the GPUs of one host: the rings against all-to-all (dropless and capacity 1.0).
+
+    python -m benchmarks.moe_layer [--shape qwen3_30b] [--tokens 16384,32768,65536] [--variants ...] [--quick]
+    python -m benchmarks.moe_layer --ep-scaling          # compile-only memory at EP 8–64 on emulated CPU devices
+    python -m benchmarks.moe_layer --plot FILE.json      # PNG plots from a results file
+
+Every variant runs in its own process (so allocator peaks do not mix) over all local GPUs as one expert ring, on
+the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend. Reported:
+median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, useful TFLOP/s per GPU (model
+FLOPs of the experts, no recompute) and ratios against each all-to-all. Writes JSON under benchmarks/results/.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+SHAPES = {  # name: (D, F, E, K)
+    "qwen3_30b": (2048, 768, 128, 8),
+    "grid_e64_k8_f512": (2048, 512, 64, 8),
+    "grid_e384_k8_f2048": (2048, 2048, 384, 8),
+    "grid_e128_k16_f768": (2048, 768, 128, 16),
+    "tiny": (64, 32, 16, 4),  # a CPU smoke test of the harness
+}
+VARIANTS = {
+    "ring_expert": ("ring_expert", {}),
+    "ring_token": ("ring_token", {}),
+    "auto": ("auto", {}),
+    "a2a_dropless": ("all_to_all", {}),
+    "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
+}
+
+
+def expert_flops(tokens, d, f, k):
+  """Useful fwd+bwd FLOPs of the experts: 3 × (gate+up 2·D·2F + down 2·F·D) per token–expert pair."""
+  return 3 * tokens * k * (2 * d * 2 * f + 2 * f * d)
+
+
+def run_one(variant, shape, tokens_per_gpu, iters):
+  """Measures one variant in this process; returns a dict (or the failure)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  import relaymoe_jax as rm  # noqa: PLC0415
+
+  d, f, e, k = SHAPES[shape]
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
+  t = tokens_per_gpu * len(devices)
+  keys = jax.random.split(jax.random.key(0), 5)
+  tok, exp = NamedSharding(mesh, P(rm.EXPERT)), NamedSharding(mesh, P(rm.EXPERT))
+  bf16 = jnp.bfloat16
+  x = jax.device_put(jax.random.normal(keys[0], (t, d), bf16), tok)
+  router = jax.random.normal(keys[1], (d, e), bf16) * 0.02
+  idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
+  weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), exp)
+             for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))]
+  dispatcher, options = VARIANTS[variant]
+
+  def loss(x, w, wg, wu, wd):
+    y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  args = (x, w, *weights)
+  row = dict(variant=variant, shape=shape, tokens_per_gpu=tokens_per_gpu, gpus=len(devices),
+             device=devices[0].device_kind)
+  try:
+    compiled = step.lower(*args).compile()
+    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      for _ in range(iters):
+        out = compiled(*args)
+      jax.block_until_ready(out)
+      times.append((time.perf_counter() - start) / iters)
+  except Exception as err:  # noqa: BLE001  (out of memory is a result here)
+    row["error"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(err) else f"{type(err).__name__}: {err}"[:300]
+    return row
+  row["latency_ms"] = sorted(times)[1] * 1e3
+  stats = [dev.memory_stats() or {} for dev in devices]
+  row["peak_bytes"] = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
+  row["useful_tflops_per_gpu"] = expert_flops(tokens_per_gpu, d, f, k) / (row["latency_ms"] / 1e3) / 1e12
+  return row
+
+
+def run_isolated(variant, shape, tokens, iters):
+  cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--one", variant, "--shape", shape, "--tokens", str(tokens),
+         "--iters", str(iters)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  return dict(variant=variant, shape=shape, tokens_per_gpu=tokens, error=(proc.stderr or proc.stdout)[-300:])
+
+
+def ep_scaling(tokens_per_device=512, ep_sizes=(8, 16, 32, 64)):
+  """Compile-only temporaries at fixed tokens per device as EP grows (the paper's EP-scaling setup, on CPU)."""
+  rows = []
+  for n in ep_sizes:
+    code = ("import json, os; from benchmarks.moe_memory import LayerShape, expert_mesh, fwd_bwd_memory; "
+            f"s = LayerShape(tokens_per_device={tokens_per_device}, d_model=256, d_ff=96, num_experts={2 * n}, "
+            "top_k=8); m = expert_mesh(" + str(n) + "); "
+            "print(json.dumps({v: fwd_bwd_memory(v, s, m)['temp_bytes'] for v in "
+            "('ring_expert', 'a2a_dropless', 'a2a_cf1')}))")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO)
+    temps = json.loads(out.stdout.strip().splitlines()[-1])
+    rows.append(dict(ep=n, num_experts=2 * n, tokens_per_device=tokens_per_device, **temps,
+                     ratio_dropless=temps["a2a_dropless"] / temps["ring_expert"],
+                     ratio_cf1=temps["a2a_cf1"] / temps["ring_expert"]))
+    print(rows[-1], flush=True)
+  return rows
+
+
+def render(rows, scaling):
+  lines = ["| shape | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  by = {(r["shape"], r["tokens_per_gpu"], r["variant"]): r for r in rows}
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | |")
+      continue
+    ratios = []
+    for base in ("a2a_dropless", "a2a_cf1"):
+      b = by.get((r["shape"], r["tokens_per_gpu"], base))
+      ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
+    lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
+                 f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
+                 f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} |")
+  if scaling:
+    lines += ["", "| EP | E | T/dev | ring MiB | dropless MiB | cf1 MiB | dropless/ring | cf1/ring |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['ep']} | {s['num_experts']} | {s['tokens_per_device']} | {s['ring_expert'] / 2**20:.1f} | "
+              f"{s['a2a_dropless'] / 2**20:.1f} | {s['a2a_cf1'] / 2**20:.1f} | {s['ratio_dropless']:.2f} | "
+              f"{s['ratio_cf1']:.2f} |" for s in scaling]
+  return "\n".join(lines)
+
+
+def summary(rows, scaling, shape="qwen3_30b", tokens=65536):
+  by = {r["variant"]: r for r in rows if r["shape"] == shape and r["tokens_per_gpu"] == tokens and "error" not in r}
+  ring, dropless, cf1 = by.get("ring_expert"), by.get("a2a_dropless"), by.get("a2a_cf1")
+  if not ring:
+    return None
+  ratio = lambda b, key: f"{b[key] / ring[key]:.2f}" if b and ring[key] else "nan"  # noqa: E731
+  ep = {s["ep"]: f"{s['ratio_cf1']:.2f}" for s in scaling}
+  return (f"summary: moe_layer gpus={ring['gpus']} shape={shape} tokens={tokens} "
+          f"speedup_vs_dropless={ratio(dropless, 'latency_ms')} speedup_vs_cf1={ratio(cf1, 'latency_ms')} "
+          f"peak_mem_ratio_dropless={ratio(dropless, 'peak_bytes')} peak_mem_ratio_cf1={ratio(cf1, 'peak_bytes')} "
+          f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap=nan "
+          f"ep8_mem_ratio_cf1={ep.get(8, 'nan')} ep64_mem_ratio_cf1={ep.get(64, 'nan')}")
+
+
+def plot(path):
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  data = json.load(open(path))
+  rows = [r for r in data["rows"] if "error" not in r]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for variant in VARIANTS:
+    pts = sorted((r["tokens_per_gpu"], r["latency_ms"], r["peak_bytes"] / 2**30) for r in rows
+                 if r["variant"] == variant and r["shape"] == "qwen3_30b")
+    if pts:
+      axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=variant)
+      axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=variant)
+  axes[0].set(xlabel="tokens per GPU", ylabel="fwd+bwd ms", title="Qwen3-30B MoE layer: latency")
+  axes[1].set(xlabel="tokens per GPU", ylabel="peak GiB", title="Qwen3-30B MoE layer: peak memory")
+  scaling = data.get("ep_scaling", [])
+  for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
+    axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key)
+  axes[2].set(xlabel="EP (emulated CPU devices)", ylabel="compiled temporaries MiB", xscale="log", yscale="log",
+              title="memory vs EP, fixed tokens per device")
+  for ax in axes:
+    ax.legend()
+  out = os.path.splitext(path)[0] + ".png"
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+  print(out)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--one", help=argparse.SUPPRESS)
+  parser.add_argument("--shape", default="qwen3_30b", choices=sorted(SHAPES))
+  parser.add_argument("--tokens", default="16384,32768,65536")
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--ep-scaling", action="store_true")
+  parser.add_argument("--skip-layers", action="store_true", help="only --ep-scaling")
+  parser.add_argument("--plot")
+  parser.add_argument("--out", default=os.path.join(RESULTS, "moe_layer.json"))
+  args = parser.parse_args(argv)
+  if args.one:
+    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters)), flush=True)
+    return
+  if args.plot:
+    plot(args.plot)
+    return
+  import jax  # noqa: PLC0415
+  meta = dict(command="python -m benchmarks.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
+              python=platform.python_version(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  rows, scaling = [], []
+
+  def save():  # after every row, so a run stopped at its time limit keeps what it measured
+    with open(args.out, "w") as fh:
+      json.dump(dict(meta=meta, rows=rows, ep_scaling=scaling), fh, indent=1)
+
+  if not args.skip_layers:
+    for tokens in map(int, args.tokens.split(",")):
+      for variant in args.variants.split(","):
+        rows.append(run_isolated(variant, args.shape, tokens, args.iters))
+        print(rows[-1], flush=True)
+        save()
+  if args.ep_scaling:
+    scaling = ep_scaling()
+  save()
+  table = render(rows, scaling)
+  line = summary(rows, scaling, args.shape, max(map(int, args.tokens.split(","))))
+  text = table + ("\n" + line if line else "")
+  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
+    fh.write(text + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
