@@ -168,17 +168,18 @@ def plot(path):
   data = json.load(open(path))
   rows = [r for r in data["rows"] if "error" not in r]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red")))
   for variant in VARIANTS:
     pts = sorted((r["tokens_per_gpu"], r["latency_ms"], r["peak_bytes"] / 2**30) for r in rows
                  if r["variant"] == variant and r["shape"] == "qwen3_30b")
     if pts:
-      axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=variant)
-      axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=variant)
+      axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=variant, color=colors[variant])
+      axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=variant, color=colors[variant])
   axes[0].set(xlabel="tokens per GPU", ylabel="fwd+bwd ms", title="Qwen3-30B MoE layer: latency")
   axes[1].set(xlabel="tokens per GPU", ylabel="peak GiB", title="Qwen3-30B MoE layer: peak memory")
   scaling = data.get("ep_scaling", [])
   for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
-    axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key)
+    axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key, color=colors[key])
   axes[2].set(xlabel="EP (emulated CPU devices)", ylabel="compiled temporaries MiB", xscale="log", yscale="log",
               title="memory vs EP, fixed tokens per device")
   for ax in axes:
