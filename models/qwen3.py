@@ -13,6 +13,7 @@ All specs are in `PARAM_SPECS`.
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,8 @@ class Qwen3MoEConfig:
   dispatcher_options: tuple = ()  # given as a mapping in YAML; stored as sorted (key, value) pairs (hashable)
   # Attention remat: one bool for every layer or one per layer (True = recompute in backward).
   remat_attention: bool | tuple[bool, ...] = False
+  # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
+  attention_implementation: str = "auto"
   fsdp: bool = False
   moe_tensor_parallel: bool = False  # split F of every expert over 'tensor' (expert tensor parallelism)
 
@@ -79,6 +82,8 @@ class Qwen3MoEConfig:
       raise ValueError(f"remat_attention has {len(remat)} entries for {self.num_hidden_layers} layers")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.attention_implementation not in ("auto", "xla", "cudnn"):
+      raise ValueError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
 
   def is_sparse(self, layer):
     return (layer not in self.mlp_only_layers and self.num_experts > 0
@@ -148,6 +153,25 @@ def rope(x_BSNH, positions_BS, theta):
   return (x32 * cos + rotated * sin).astype(x_BSNH.dtype)
 
 
+def attention(q_BSNH, k_BSGH, v_BSGH, scale, implementation):
+  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation)."""
+  attend = functools.partial(jax.nn.dot_product_attention, q_BSNH, k_BSGH, v_BSGH, scale=scale, is_causal=True)
+  if implementation == "auto":
+    if jax.default_backend() != "gpu" or q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
+      return attend(implementation="xla")
+    try:
+      return attend(implementation="cudnn")
+    except Exception as err:  # noqa: BLE001  (cuDNN takes a subset of shapes and versions; it says so at trace time)
+      _log_attention_fallback(f"{type(err).__name__}: {err}"[:200])
+      return attend(implementation="xla")
+  return attend(implementation=implementation)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_attention_fallback(reason):
+  logging.getLogger(__name__).warning("cuDNN attention unavailable, using XLA's: %s", reason)
+
+
 class RMSNorm(_Layer):
 
   def __init__(self, config, dim, mesh, rngs, role="norm_D"):
@@ -191,7 +215,7 @@ class Attention(_Layer):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    out = jax.nn.dot_product_attention(q, k, v, scale=c.head_dim ** -0.5, is_causal=True)
+    out = attention(q, k, v, c.head_dim ** -0.5, c.attention_implementation)
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
