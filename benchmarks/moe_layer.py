@@ -11,7 +11,6 @@ FLOPs of the experts, no recompute) and ratios against each all-to-all. Writes J
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -104,19 +103,22 @@ def run_isolated(variant, shape, tokens, iters):
   return dict(variant=variant, shape=shape, tokens_per_gpu=tokens, error=(proc.stderr or proc.stdout)[-300:])
 
 
-def ep_scaling(tokens_per_device=512, ep_sizes=(8, 16, 32, 64)):
-  """Compile-only temporaries at fixed tokens per device as EP grows (the paper's EP-scaling setup, on CPU)."""
+def ep_scaling(tokens_per_device=2048, num_experts=128, ep_sizes=(8, 16, 32, 64)):
+  """Compile-only temporaries at fixed tokens per device as EP grows (the paper's EP-scaling setup, on CPU).
+
+  Scaled so that a device's tokens outweigh its experts' weights as at real size (Qwen3-30B at EP 64: 16384 tokens
+  × D 2048 against 2 experts × 3 × D × F 768, about 3.4 : 1; here 2048 × 256 against 2 × 3 × 256 × 96, 3.6 : 1)."""
   rows = []
   for n in ep_sizes:
     code = ("import json, os; from benchmarks.moe_memory import LayerShape, expert_mesh, fwd_bwd_memory; "
-            f"s = LayerShape(tokens_per_device={tokens_per_device}, d_model=256, d_ff=96, num_experts={2 * n}, "
+            f"s = LayerShape(tokens_per_device={tokens_per_device}, d_model=256, d_ff=96, num_experts={num_experts}, "
             "top_k=8); m = expert_mesh(" + str(n) + "); "
             "print(json.dumps({v: fwd_bwd_memory(v, s, m)['temp_bytes'] for v in "
             "('ring_expert', 'a2a_dropless', 'a2a_cf1')}))")
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO)
     temps = json.loads(out.stdout.strip().splitlines()[-1])
-    rows.append(dict(ep=n, num_experts=2 * n, tokens_per_device=tokens_per_device, **temps,
+    rows.append(dict(ep=n, num_experts=num_experts, tokens_per_device=tokens_per_device, **temps,
                      ratio_dropless=temps["a2a_dropless"] / temps["ring_expert"],
                      ratio_cf1=temps["a2a_cf1"] / temps["ring_expert"]))
     print(rows[-1], flush=True)

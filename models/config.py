@@ -2,7 +2,6 @@
 
 import dataclasses
 import pathlib
-import types
 import typing
 
 import yaml

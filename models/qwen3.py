@@ -271,7 +271,6 @@ class DecoderLayer(_Layer):
 
   def __init__(self, config, layer, mesh, rngs):
     super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
     self.layer = layer
     self.input_norm = RMSNorm(config, config.hidden_size, mesh, rngs)
     self.attn = Attention(config, mesh, rngs)

@@ -3,6 +3,7 @@
 No communication. A backend computes out[m] = lhs[m] @ rhs[g(m)] for rows grouped contiguously by group_sizes,
 with zeros in rows past sum(group_sizes). Backends:
   xla               `lax.ragged_dot`: runs everywhere; on CPU and (as of JAX 0.11) GPU a dense masked dot.
+  xla_scan          a loop over groups: slow, but with a grouped kernel's memory (for memory analysis on CPU).
   mosaic_gpu        JAX's Hopper Mosaic GPU kernels (see `mosaic_gpu.py`), through `kernel_backend`.
   kernel_reference  the `kernel_backend` path with `lax` reference kernels that, like the Mosaic ones, leave
                     garbage past sum(group_sizes): checks the custom_vjp, masking and fallbacks anywhere.
@@ -33,6 +34,22 @@ class GroupedMatmul(Protocol):
 def _xla_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, precision):
   return jax.lax.ragged_dot(
       lhs_MK, rhs_GKN, group_sizes_G, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def _scan_ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type, precision):
+  """A loop over groups of masked dense dots: G× the FLOPs of a grouped kernel, but M×N of live memory rather than
+  the G×M×N of `lax.ragged_dot`'s dense fallback, so compile-only memory analysis on CPU resembles a GPU kernel's."""
+  ends_G = jnp.cumsum(group_sizes_G)
+  rows_M = jnp.arange(lhs_MK.shape[0])
+  axes = tuple(sorted(set(varying_axes(lhs_MK)) | set(varying_axes(rhs_GKN))))
+
+  def one_group(acc_MN, g):
+    in_group = (rows_M >= ends_G[g] - group_sizes_G[g]) & (rows_M < ends_G[g])
+    part_MN = jnp.dot(lhs_MK, rhs_GKN[g], precision=precision, preferred_element_type=preferred_element_type)
+    return acc_MN + jnp.where(in_group[:, None], part_MN, 0), None
+
+  acc_MN = vary_like(jnp.zeros((lhs_MK.shape[0], rhs_GKN.shape[2]), preferred_element_type), axes)
+  return jax.lax.scan(one_group, acc_MN, jnp.arange(rhs_GKN.shape[0]))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +148,11 @@ REFERENCE_KERNELS = GroupedKernels(
     unsupported=lambda m, k, n, dtype: (f"k={k} is odd" if k % 2 else None),  # a stand-in constraint to test
 )
 
-BACKENDS: dict[str, GroupedMatmul] = {"xla": _xla_ragged_dot, "kernel_reference": kernel_backend(REFERENCE_KERNELS)}
+BACKENDS: dict[str, GroupedMatmul] = {
+    "xla": _xla_ragged_dot,
+    "xla_scan": _scan_ragged_dot,
+    "kernel_reference": kernel_backend(REFERENCE_KERNELS),
+}
 
 
 def _hopper():
@@ -165,7 +186,7 @@ ROW_ALIGN = 128
 
 def max_chunk_rows(backend, groups, width):
   """The most rows one grouped-matmul call should get from a chunked caller, or None for no limit."""
-  if backend != "xla":
+  if backend != "xla":  # the others hold M×N at most
     return None
   return max(ROW_ALIGN, DENSE_FALLBACK_ELEMENTS // (groups * width) // ROW_ALIGN * ROW_ALIGN)
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.grouped_matmul import expert_swiglu
-from relaymoe_jax.layout import vary_like
+from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import chunk_group_sizes
 
 
@@ -26,6 +26,11 @@ class TokenSide(NamedTuple):
 class PairGrads(NamedTuple):
   dx_TD: jax.Array  # float32
   dw_P: jax.Array  # float32, in sorted-pair order
+
+
+def zero_pair_grads(x_TD, num_pairs, axes):
+  return PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, axes),
+                   dw_P=varying_zeros((num_pairs,), jnp.float32, axes))
 
 
 class _ChunkRows(NamedTuple):

@@ -7,7 +7,6 @@ computed and what is held (see each dispatcher's module for what moves between d
 import dataclasses
 
 import jax
-import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.all_to_all import AllToAll

@@ -16,8 +16,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import ROW_ALIGN, max_chunk_rows, resolve_backend
+from relaymoe_jax.grouped_matmul import ROW_ALIGN, max_chunk_rows, resolve_backend, split_gate_up
 from relaymoe_jax.layout import ExpertLayout
+from relaymoe_jax.pair_plan import unsort_pair_values
 
 
 def ring_perm(n, shift=1):
@@ -113,6 +114,17 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / chunk_rows)
   return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=chunk_rows, backend=backend,
                   static_chunks=static_chunks)
+
+
+def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
+  """A ring backward's per-device results: weight gradients split back into gate and up and summed over the data
+  axes; dx and d(router weight) summed over the tensor axis (ETP) and put back in token order; input dtypes."""
+  dW = tuple(d.astype(x_TD.dtype) for d in (*split_gate_up(dw_gate_up), dw_down))
+  if layout.replica_axes:
+    dW = jax.lax.psum(dW, layout.replica_axes)
+  dx_TD = layout.sum_tensor_partials(grads.dx_TD)
+  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(grads.dw_P), w_TK.shape)
+  return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW)
 
 
 def ring_vjp(spec, forward_device, backward_device):

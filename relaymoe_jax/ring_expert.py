@@ -16,12 +16,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import fuse_gate_up, split_gate_up
-from relaymoe_jax.hop import PairGrads, TokenSide, backward_pairs, forward_pairs
+from relaymoe_jax.grouped_matmul import fuse_gate_up
+from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import (PairPlan, make_pair_plan, partition_range, sorted_pair_weights,
-                                    unsort_pair_values)
-from relaymoe_jax.ring import make_ring_spec, partition_at_hop, ring_pass, ring_relay, ring_vjp
+from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range, sorted_pair_weights
+from relaymoe_jax.ring import (backward_outputs, make_ring_spec, partition_at_hop, ring_pass, ring_relay,
+                               ring_vjp)
 
 
 def _visiting_range(spec, counts_E, h):
@@ -56,18 +56,12 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
     return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, h), weights, grads, dW0,
                           vary_axes=layout.compute_axes, **spec.chunk_options)
 
-  grads = PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes),
-                    dw_P=varying_zeros(order_P.shape, jnp.float32, layout.compute_axes))
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)
   to_weight_dtype = lambda dW: tuple(d.astype(w.dtype) for d, w in zip(dW, own))  # noqa: E731
-  grads, (dw_gate_up, dw_down) = ring_relay(hop, grads, own_v, axis=layout.expert_axis, n=layout.ring_size,
+  grads, (dw_gate_up, dw_down) = ring_relay(hop, zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes),
+                                            own_v, axis=layout.expert_axis, n=layout.ring_size,
                                             to_relay=to_weight_dtype)
-  dW_own = (*split_gate_up(dw_gate_up), dw_down)
-  if layout.replica_axes:
-    dW_own = jax.lax.psum(dW_own, layout.replica_axes)
-  dx_TD = layout.sum_tensor_partials(grads.dx_TD)
-  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(grads.dw_P), w_TK.shape)
-  return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW_own)
+  return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,12 +20,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import fuse_gate_up, split_gate_up
-from relaymoe_jax.hop import PairGrads, TokenSide, backward_pairs, forward_pairs
+from relaymoe_jax.grouped_matmul import fuse_gate_up
+from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import (PairPlan, make_pair_plan, partition_range, sorted_pair_weights,
-                                    unsort_pair_values)
-from relaymoe_jax.ring import make_ring_spec, ring_relay, ring_vjp
+from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range, sorted_pair_weights
+from relaymoe_jax.ring import backward_outputs, make_ring_spec, ring_relay, ring_vjp
 
 
 class _Partition(NamedTuple):
@@ -68,8 +67,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   weights = tuple(vary_like(w, layout.compute_axes) for w in (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD))
 
   def hop(dW, h, visiting):
-    grads = PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes),
-                      dw_P=varying_zeros(order_P.shape, jnp.float32, layout.compute_axes))
+    grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes)
     grads, dW = backward_pairs(visiting.tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
                                grads, dW, vary_axes=layout.compute_axes, **spec.chunk_options)
     return dW, grads
@@ -78,12 +76,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
   (dw_gate_up, dw_down), grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size,
                                             to_relay=_identity)
-  dW = tuple(d.astype(w_down_LFD.dtype) for d in (*split_gate_up(dw_gate_up), dw_down))
-  if layout.replica_axes:
-    dW = jax.lax.psum(dW, layout.replica_axes)
-  dx_TD = layout.sum_tensor_partials(grads.dx_TD)
-  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(grads.dw_P), w_TK.shape)
-  return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW)
+  return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
 @functools.lru_cache(maxsize=64)

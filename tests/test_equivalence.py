@@ -5,7 +5,6 @@ Tolerances (max |a − b| / max |b|): float32 ≤ 1e-5; bfloat16 inputs ≤ 3e-2
 the same bf16-rounded inputs.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

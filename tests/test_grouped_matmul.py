@@ -114,3 +114,10 @@ def test_mosaic_gpu_matches_ragged_dot_on_hopper(groups):
   for name, a, b in (("out", out, out_ref), ("d lhs", dl, dl_ref), ("d rhs", dr, dr_ref)):
     assert_close(a, b, 2e-2, name)
   assert not np.any(np.asarray(out[int(np.sum(sizes)):]))
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+def test_scan_backend_matches_ragged_dot(groups):
+  """`xla_scan` (the memory-faithful CPU backend of the memory benchmarks) computes the same values and gradients."""
+  lhs, rhs, c = _operands(5)
+  _check_against_xla("xla_scan", lhs, rhs, jnp.asarray(GROUPS[groups], jnp.int32), c, 1e-6)

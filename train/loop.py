@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import time
 

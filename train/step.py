@@ -3,7 +3,6 @@
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
