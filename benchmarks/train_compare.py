@@ -1,0 +1,117 @@
+"""Train the same model from the same seed with two dispatchers and compare loss curves, speed and memory.
+
+    python -m benchmarks.train_compare [--config gpu] [--steps 200] [--dispatchers ring_expert,all_to_all]
+                                       [--seq-search] [key=value ...]
+
+Each run is a separate `relaymoe-train` process (so allocator peaks do not mix) writing its own metrics.jsonl. The
+loss curves of exact dispatchers must agree up to floating-point noise (RelayMoE Fig. 18). `--seq-search` then
+doubles seq_len per dispatcher until a run fails, to find the longest sequence each one trains. Prints a table,
+writes JSON (and a PNG of the curves where matplotlib is installed) under benchmarks/results/.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
+def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
+  """One relaymoe-train run; returns its metrics records, or None if it failed (e.g. out of memory)."""
+  cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", str(steps), "--out", out_dir,
+         f"dispatcher={dispatcher}", f"log_every={log_every}", f"checkpoint_every={steps}", "tensorboard=false",
+         *overrides]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+  path = os.path.join(out_dir, "metrics.jsonl")
+  if proc.returncode != 0 or not os.path.exists(path):
+    return None
+  with open(path) as fh:
+    return [json.loads(line) for line in fh]
+
+
+def longest_sequence(dispatcher, config, overrides, out_root, start=1024, limit=1 << 20):
+  """The largest seq_len (doubling from `start`) that trains 3 steps, or 0."""
+  best, seq = 0, start
+  while seq <= limit:
+    if train(dispatcher, config, 3, [*overrides, f"seq_len={seq}"], os.path.join(out_root, f"seq_{dispatcher}_{seq}"),
+             log_every=3) is None:
+      break
+    best, seq = seq, seq * 2
+  return best
+
+
+def compare(runs):
+  names = list(runs)
+  a, b = runs[names[0]], runs[names[1]]
+  diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
+  return dict(loss_curve_max_abs_diff=max(diffs), steps_compared=len(diffs))
+
+
+def plot(runs, path):
+  try:
+    import matplotlib  # noqa: PLC0415
+  except ImportError:
+    return None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name, records in runs.items():
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=name)
+  ax.set(xlabel="step", ylabel="loss", title="same seed, two dispatchers")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="gpu")
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--dispatchers", default="ring_expert,all_to_all")
+  parser.add_argument("--seq-search", action="store_true")
+  parser.add_argument("--work", default="/tmp/relaymoe_train_compare")
+  parser.add_argument("--out", default=os.path.join(RESULTS, "train_compare.json"))
+  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  args = parser.parse_args(argv)
+  dispatchers = args.dispatchers.split(",")
+  if len(dispatchers) != 2:
+    raise SystemExit(f"--dispatchers needs exactly two names, got {dispatchers}")
+  runs = {}
+  for d in dispatchers:
+    records = train(d, args.config, args.steps, args.overrides, os.path.join(args.work, d))
+    if records is None:
+      raise SystemExit(f"the {d} run failed; rerun it alone with relaymoe-train to see why")
+    runs[d] = records
+  result = dict(command="python -m benchmarks.train_compare " + " ".join(sys.argv[1:] if argv is None else argv),
+                **compare(runs))
+  for d, records in runs.items():
+    tail = records[len(records) // 2:]  # past compilation and warm-up
+    result[d] = dict(tokens_per_s=sum(r["tokens_per_s"] for r in tail) / len(tail),
+                     tflops_per_device=sum(r["tflops_per_device"] for r in tail) / len(tail),
+                     peak_memory_bytes=max(r["peak_memory_bytes"] for r in records), final_loss=records[-1]["loss"])
+    if args.seq_search:
+      result[d]["longest_seq_len"] = longest_sequence(d, args.config, args.overrides, args.work)
+  result["curves"] = {d: [r["loss"] for r in records] for d, records in runs.items()}
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as fh:
+    json.dump(result, fh, indent=1)
+  plot(runs, os.path.splitext(args.out)[0] + ".png")
+  lines = ["| dispatcher | tokens/s | TFLOP/s/device | peak GiB | final loss | longest seq |", "|---|---|---|---|---|---|"]
+  for d in dispatchers:
+    r = result[d]
+    lines.append(f"| {d} | {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.2f} | "
+                 f"{r['peak_memory_bytes'] / 2**30:.2f} | {r['final_loss']:.4f} | {r.get('longest_seq_len', '—')} |")
+  lines.append(f"summary: train_compare {dispatchers[0]}_vs_{dispatchers[1]} steps={args.steps} "
+               f"loss_curve_max_abs_diff={result['loss_curve_max_abs_diff']:.3g}")
+  text = "\n".join(lines)
+  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
+    fh.write(text + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
