@@ -194,3 +194,18 @@ def test_two_processes_on_cpu_match_one(tmp_path):
   assert [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(multi, single):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
+  """orbax writes a step into a temporary folder and renames it when complete; a crash leaves only that folder."""
+  config = tiny_run(tmp_path, steps=3)
+  run(config)
+  checkpoint_dir = tmp_path / "run" / "checkpoints"
+  partial = checkpoint_dir / "9.orbax-checkpoint-tmp-1234567890"
+  (partial / "state").mkdir(parents=True)
+  (partial / "state" / "half_written").write_bytes(b"\0" * 100)
+  checkpoints = Checkpoints(checkpoint_dir, 2)
+  assert checkpoints.latest_step() == 3
+  checkpoints.close()
+  resumed = run(dataclasses.replace(config, steps=4), resume=True)
+  assert [r["step"] for r in resumed] == [3]
