@@ -20,6 +20,7 @@ from relaymoe_jax.routing import RouterAux, route
 from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
-    "AllToAll", "Auto", "DispatchPlan", "ModeVolume", "plan_dispatch", "DATA", "DISPATCHERS", "Dense", "EXPERT", "ExpertLayout", "RingExpert", "RingToken", "RouterAux", "TENSOR",
-    "dense_moe", "dense_swiglu", "make_dispatcher", "moe_ffn", "route", "shared_expert",
+    "AllToAll", "Auto", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout", "ModeVolume",
+    "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "make_dispatcher", "moe_ffn",
+    "plan_dispatch", "route", "shared_expert",
 ]

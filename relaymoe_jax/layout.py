@@ -3,7 +3,8 @@
 No communication of its own. Tokens (dim 0 of x_TD, idx_TK, w_TK) are split over `token_axes`; experts (dim 0 of
 every expert weight) over `expert_axis`, which must be one of the token axes so that the ring's devices hold
 different tokens. Weights are replicated over the other token axes (data parallel), so their gradients are summed
-over those axes.
+over those axes. An optional `tensor_axis` (expert tensor parallelism) splits F of every expert; tokens are
+replicated over it and partial outputs are summed over it.
 """
 
 import dataclasses
