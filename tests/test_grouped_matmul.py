@@ -97,9 +97,10 @@ def test_dispatchers_on_the_kernel_path_match_the_oracle(dispatcher):
 
 def _hopper_or_skip():
   if not gm._hopper():
-    pytest.skip("the Mosaic GPU kernels need a Hopper GPU (CPU runs check the same path with reference kernels)")
+    pytest.skip("the Mosaic GPU kernels need a Hopper GPU; run `pytest -m gpu` there")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("groups", sorted(GROUPS))
 def test_mosaic_gpu_matches_ragged_dot_on_hopper(groups):
   """bf16 inputs, outputs and all gradients against lax.ragged_dot computed in float32 on the same inputs."""
