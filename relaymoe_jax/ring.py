@@ -127,8 +127,9 @@ def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
   return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW)
 
 
+@functools.lru_cache(maxsize=128)
 def ring_vjp(spec, forward_device, backward_device):
-  """The global function of a ring dispatcher: a `jax.custom_vjp` whose forward and backward are each one
+  """The global function of a ring dispatcher (cached: one per spec): a `jax.custom_vjp` whose forward and backward are each one
   `shard_map` of a per-device function.
 
   forward_device(x, idx, w_TK, w_gate, w_up, w_down) -> (y, order_P, counts_E): the pair plan is the only

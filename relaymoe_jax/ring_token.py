@@ -14,7 +14,6 @@ Communication, over a ring of N devices along the expert axis (device r sends to
 """
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -79,11 +78,6 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
-@functools.lru_cache(maxsize=64)
-def _ring_token_fn(spec):
-  return ring_vjp(spec, _forward_device, _backward_device)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingToken:
   """Token-routing ring dispatcher: preferable when expert weights are large next to a device's tokens.
@@ -98,4 +92,5 @@ class RingToken:
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend)
-    return _ring_token_fn(spec)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    ring = ring_vjp(spec, _forward_device, _backward_device)
+    return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
