@@ -7,7 +7,9 @@
 Every variant runs in its own process (so allocator peaks do not mix) over all local GPUs as one expert ring, on
 the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend. Reported:
 median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, useful TFLOP/s per GPU (model
-FLOPs of the experts, no recompute) and ratios against each all-to-all. Writes JSON under benchmarks/results/.
+FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the overlap measure:
+`compute_floor` (the ring on one GPU: the same compute, no transfers) and `transfer` (the ring's transfers alone);
+hop_overlap = ring latency / max of the two. Writes JSON under benchmarks/results/.
 """
 
 import argparse
@@ -33,7 +35,29 @@ VARIANTS = {
     "auto": ("auto", {}),
     "a2a_dropless": ("all_to_all", {}),
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
+    "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
 }
+TRANSFER = "transfer"  # the ring's fwd+bwd transfers alone (weights; weights + gradients), no compute
+
+
+def _transfer_step(jax, jnp, rm, mesh, weights):
+  """A jitted step that moves exactly what ring_expert moves (forward `ring_pass` of the fused weights, backward
+  `ring_relay` of weights and their gradients), with only a trivial add per hop so nothing is optimised away."""
+  from relaymoe_jax.grouped_matmul import fuse_gate_up  # noqa: PLC0415
+  from relaymoe_jax.ring import ring_pass, ring_relay  # noqa: PLC0415
+  n = mesh.shape[rm.EXPERT]
+
+  def per_device(w_gate, w_up, w_down):
+    own = (fuse_gate_up(w_gate, w_up), w_down)
+    touch = lambda state, h, payload: state + payload[1][0, 0, 0].astype(jnp.float32)  # noqa: E731
+    state = ring_pass(touch, jnp.zeros((), jnp.float32), own, axis=rm.EXPERT, n=n)
+    partial = lambda state, h, payload: (state, tuple(p.astype(jnp.float32) for p in payload))  # noqa: E731
+    state, acc = ring_relay(partial, state, own, axis=rm.EXPERT, n=n,
+                            to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a))
+    return (state + acc[1][0, 0, 0].astype(jnp.float32))[None]
+
+  spec = jax.sharding.PartitionSpec(rm.EXPERT)
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
 
 
 def expert_flops(tokens, d, f, k):
@@ -51,7 +75,7 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   import relaymoe_jax as rm  # noqa: PLC0415
 
   d, f, e, k = SHAPES[shape]
-  devices = jax.devices()
+  devices = jax.devices()[:1] if variant == "compute_floor" else jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
   t = tokens_per_gpu * len(devices)
   keys = jax.random.split(jax.random.key(0), 5)
@@ -62,14 +86,17 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
   weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), exp)
              for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))]
-  dispatcher, options = VARIANTS[variant]
+  if variant == TRANSFER:
+    step, args = _transfer_step(jax, jnp, rm, mesh, weights), tuple(weights)
+  else:
+    dispatcher, options = VARIANTS[variant]
 
-  def loss(x, w, wg, wu, wd):
-    y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
-    return jnp.sum(y.astype(jnp.float32) ** 2)
+    def loss(x, w, wg, wu, wd):
+      y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
+      return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-  args = (x, w, *weights)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    args = (x, w, *weights)
   row = dict(variant=variant, shape=shape, tokens_per_gpu=tokens_per_gpu, gpus=len(devices),
              device=devices[0].device_kind)
   try:
@@ -89,7 +116,8 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   row["latency_ms"] = sorted(times)[1] * 1e3
   stats = [dev.memory_stats() or {} for dev in devices]
   row["peak_bytes"] = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
-  row["useful_tflops_per_gpu"] = expert_flops(tokens_per_gpu, d, f, k) / (row["latency_ms"] / 1e3) / 1e12
+  useful = 0 if variant == TRANSFER else expert_flops(tokens_per_gpu, d, f, k)
+  row["useful_tflops_per_gpu"] = useful / (row["latency_ms"] / 1e3) / 1e12
   return row
 
 
@@ -134,9 +162,10 @@ def render(rows, scaling):
       lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | |")
       continue
     ratios = []
-    for base in ("a2a_dropless", "a2a_cf1"):
+    for base in (() if r["variant"] in ("compute_floor", TRANSFER) else ("a2a_dropless", "a2a_cf1")):
       b = by.get((r["shape"], r["tokens_per_gpu"], base))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
+    ratios = ratios or ["—", "—"]
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
                  f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} |")
@@ -155,11 +184,15 @@ def summary(rows, scaling, shape="qwen3_30b", tokens=65536):
   if not ring:
     return None
   ratio = lambda b, key: f"{b[key] / ring[key]:.2f}" if b and ring[key] else "nan"  # noqa: E731
+  floor, transfer = by.get("compute_floor"), by.get(TRANSFER)
+  # ring time / max(its compute alone, its transfers alone): 1.0 is perfect overlap.
+  hop_overlap = (f"{ring['latency_ms'] / max(floor['latency_ms'], transfer['latency_ms']):.2f}"
+                 if floor and transfer else "nan")
   ep = {s["ep"]: f"{s['ratio_cf1']:.2f}" for s in scaling}
   return (f"summary: moe_layer gpus={ring['gpus']} shape={shape} tokens={tokens} "
           f"speedup_vs_dropless={ratio(dropless, 'latency_ms')} speedup_vs_cf1={ratio(cf1, 'latency_ms')} "
           f"peak_mem_ratio_dropless={ratio(dropless, 'peak_bytes')} peak_mem_ratio_cf1={ratio(cf1, 'peak_bytes')} "
-          f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap=nan "
+          f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap={hop_overlap} "
           f"ep8_mem_ratio_cf1={ep.get(8, 'nan')} ep64_mem_ratio_cf1={ep.get(64, 'nan')}")
 
 
@@ -197,7 +230,7 @@ def main(argv=None):
   parser.add_argument("--one", help=argparse.SUPPRESS)
   parser.add_argument("--shape", default="qwen3_30b", choices=sorted(SHAPES))
   parser.add_argument("--tokens", default="16384,32768,65536")
-  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--variants", default=",".join([*VARIANTS, TRANSFER]))
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--ep-scaling", action="store_true")
   parser.add_argument("--skip-layers", action="store_true", help="only --ep-scaling")
