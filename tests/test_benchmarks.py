@@ -27,4 +27,4 @@ def test_moe_layer_summary_has_every_field(rows):
   for key in ("speedup_vs_dropless", "speedup_vs_cf1", "hop_overlap", "ep8_mem_ratio_cf1", "ep64_mem_ratio_cf1"):
     assert float(fields[key]) > 0, (key, line)
   assert float(fields["useful_tflops"]) >= 0  # tiny on CPU rounds to 0.0; peak memory ratios are nan on CPU
-  assert "| ring_expert |" in moe_layer.render(rows, scaling)
+  assert "| ring_expert |" in moe_layer.render(rows, [])
