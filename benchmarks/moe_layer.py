@@ -135,7 +135,8 @@ def ep_scaling(tokens_per_device=2048, num_experts=128, ep_sizes=(8, 16, 32, 64)
   """Compile-only temporaries at fixed tokens per device as EP grows (the paper's EP-scaling setup, on CPU).
 
   Scaled so that a device's tokens outweigh its experts' weights as at real size (Qwen3-30B at EP 64: 16384 tokens
-  × D 2048 against 2 experts × 3 × D × F 768, about 3.4 : 1; here 2048 × 256 against 2 × 3 × 256 × 96, 3.6 : 1)."""
+  × D 2048 against 2 experts × 3 × D × F 768, about 3.4 : 1; here 2048 × 256 against 2 × 3 × 256 × 96,
+  3.6 : 1)."""
   rows = []
   for n in ep_sizes:
     code = ("import json, os; from benchmarks.moe_memory import LayerShape, expert_mesh, fwd_bwd_memory; "

@@ -100,7 +100,8 @@ def main(argv=None):
   with open(args.out, "w") as fh:
     json.dump(result, fh, indent=1)
   plot(runs, os.path.splitext(args.out)[0] + ".png")
-  lines = ["| dispatcher | tokens/s | TFLOP/s/device | peak GiB | final loss | longest seq |", "|---|---|---|---|---|---|"]
+  lines = ["| dispatcher | tokens/s | TFLOP/s/device | peak GiB | final loss | longest seq |",
+           "|---|---|---|---|---|---|"]
   for d in dispatchers:
     r = result[d]
     lines.append(f"| {d} | {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.2f} | "

@@ -107,7 +107,8 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   num_experts, d_model, d_ff = w_gate_EDF.shape
-  row_cap = max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, d_ff // layout.tensor_size))
+  # The widest grouped matmul of a hop is gate and up fused: 2F (per tensor-parallel slice) columns.
+  row_cap = max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, 2 * d_ff // layout.tensor_size))
   chunk_rows = chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap)
   if chunk_rows < 1:
     raise ValueError(f"chunk_rows={chunk_rows} must be positive")
@@ -129,8 +130,8 @@ def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
 
 @functools.lru_cache(maxsize=128)
 def ring_vjp(spec, forward_device, backward_device):
-  """The global function of a ring dispatcher (cached: one per spec): a `jax.custom_vjp` whose forward and backward are each one
-  `shard_map` of a per-device function.
+  """The global function of a ring dispatcher (cached, one per spec): a `jax.custom_vjp` whose forward and
+  backward are each one `shard_map` of a per-device function.
 
   forward_device(x, idx, w_TK, w_gate, w_up, w_down) -> (y, order_P, counts_E): the pair plan is the only
   residual besides the inputs. backward_device(x, w_TK, w_gate, w_up, w_down, order_P, counts_E, dy) ->

@@ -21,7 +21,8 @@ def _with(**changes):
 
 BAD = [
     ("E not divisible", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][:6], w_up_EDF=lambda l: l["w_up_EDF"][:6],
-                             w_down_EFD=lambda l: l["w_down_EFD"][:6]), {}, "E=6 experts is not divisible by the size 4"),
+                             w_down_EFD=lambda l: l["w_down_EFD"][:6]), {},
+     "E=6 experts is not divisible by the size 4"),
     ("top_k > E", dict(idx_TK=lambda l: jnp.zeros((32, 9), jnp.int32), w_TK=lambda l: jnp.zeros((32, 9))), {},
      "top_k=9"),
     ("w_TK shape", dict(w_TK=lambda l: l["w_TK"][:, :1]), {}, "w_TK"),

@@ -64,7 +64,8 @@ def _loss_and_grads(config, mesh, tokens):
 
 VARIANTS = {
     "qwen3": ({}, MeshConfig(data=2, expert=4)),
-    "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32), MeshConfig(data=2, expert=4)),
+    "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32),
+              MeshConfig(data=2, expert=4)),
     "qwen3-etp": (dict(moe_tensor_parallel=True), MeshConfig(data=2, expert=2, tensor=2)),
 }
 
