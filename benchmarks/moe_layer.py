@@ -1,6 +1,6 @@
 """One MoE layer, fwd+bwd, bf16, on the GPUs of one host: the rings against all-to-all (dropless and capacity 1.0).
 
-    python -m benchmarks.moe_layer [--shape qwen3_30b] [--tokens 16384,32768,65536] [--variants ...] [--quick]
+    python -m benchmarks.moe_layer [--shape qwen3_30b] [--tokens 16384,32768,65536] [--variants ...]
     python -m benchmarks.moe_layer --ep-scaling          # compile-only memory at EP 8–64 on emulated CPU devices
     python -m benchmarks.moe_layer --plot FILE.json      # PNG plots from a results file
 
@@ -9,7 +9,8 @@ the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same 
 median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, useful TFLOP/s per GPU (model
 FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the overlap measure:
 `compute_floor` (the ring on one GPU: the same compute, no transfers) and `transfer` (the ring's transfers alone);
-hop_overlap = ring latency / max of the two. Writes JSON under benchmarks/results/.
+hop_overlap = ring latency / max of the two. A variant `NAME@R1/R2` runs NAME with the chunk-size ladder (R1, R2).
+Writes JSON under benchmarks/results/.
 """
 
 import argparse
@@ -38,6 +39,13 @@ VARIANTS = {
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
 }
 TRANSFER = "transfer"  # the ring's fwd+bwd transfers alone (weights; weights + gradients), no compute
+
+
+def variant_options(variant):
+  """(dispatcher, options) of a variant; `NAME@R1/R2/…` is NAME with the chunk-size ladder (R1, R2, …)."""
+  name, _, ladder = variant.partition("@")
+  dispatcher, options = VARIANTS[name]
+  return dispatcher, dict(options, chunk_rows=tuple(map(int, ladder.split("/")))) if ladder else options
 
 
 def _transfer_step(jax, jnp, rm, mesh, weights):
@@ -75,7 +83,7 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   import relaymoe_jax as rm  # noqa: PLC0415
 
   d, f, e, k = SHAPES[shape]
-  devices = jax.devices()[:1] if variant == "compute_floor" else jax.devices()
+  devices = jax.devices()[:1] if variant.startswith("compute_floor") else jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
   t = tokens_per_gpu * len(devices)
   keys = jax.random.split(jax.random.key(0), 5)
@@ -89,7 +97,7 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   if variant == TRANSFER:
     step, args = _transfer_step(jax, jnp, rm, mesh, weights), tuple(weights)
   else:
-    dispatcher, options = VARIANTS[variant]
+    dispatcher, options = variant_options(variant)
 
     def loss(x, w, wg, wu, wd):
       y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
@@ -163,7 +171,7 @@ def render(rows, scaling):
       lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | |")
       continue
     ratios = []
-    for base in (() if r["variant"] in ("compute_floor", TRANSFER) else ("a2a_dropless", "a2a_cf1")):
+    for base in (() if r["variant"].startswith(("compute_floor", TRANSFER)) else ("a2a_dropless", "a2a_cf1")):
       b = by.get((r["shape"], r["tokens_per_gpu"], base))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
     ratios = ratios or ["—", "—"]

@@ -26,7 +26,7 @@ class Auto:
     backend: grouped-matmul backend name.
   """
 
-  chunk_rows: int | None = None
+  chunk_rows: int | tuple[int, ...] | None = None
   backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):

@@ -208,11 +208,43 @@ def split_gate_up(gate_up):
   return gate_up[..., :f], gate_up[..., f:]
 
 
+def _swiglu_activation(gate_up_RG, dtype):
+  gate_RF, up_RF = split_gate_up(gate_up_RG)
+  return (jax.nn.silu(gate_RF) * up_RF).astype(dtype)
+
+
+def _matmul_options(dtype):
+  return dict(preferred_element_type=jnp.float32, precision=matmul_precision(dtype))
+
+
 def expert_swiglu(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, *, backend="xla") -> jax.Array:
   """down(silu(x·gate) · (x·up)) for rows grouped by expert, with gate and up fused (G = 2F); float32 result and
   accumulation."""
-  gmm: Callable = get_backend(backend)
-  kw = dict(preferred_element_type=jnp.float32, precision=matmul_precision(x_RD.dtype))
-  gate_RF, up_RF = split_gate_up(gmm(x_RD, w_gate_up_LDG, sizes_L, **kw))
-  act_RF = (jax.nn.silu(gate_RF) * up_RF).astype(x_RD.dtype)
-  return gmm(act_RF, w_down_LFD, sizes_L, **kw)
+  gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
+  act_RF = _swiglu_activation(gmm(x_RD, w_gate_up_LDG, sizes_L), x_RD.dtype)
+  return gmm(act_RF, w_down_LFD, sizes_L)
+
+
+def expert_swiglu_backward(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, dy_RD, w_R, *, backend="xla"):
+  """Gradients of Σ_r w_r · expert_swiglu(x)_r · dy_r, recomputing the intermediates from x.
+
+  The down projection's output is never recomputed: with g = dy · W_downᵀ, d(router weight)_r = Σ_F g·act and
+  d(act) = w · g, and W_down's gradient is (w · act)ᵀ · dy. So a chunk runs five grouped matmuls (gate+up forward,
+  two input gradients, two weight gradients) where autodiff of a recomputed forward runs six.
+
+  Returns:
+    (dx_RD, dw_R, dw_gate_up_LDG, dw_down_LFD), float32.
+  """
+  gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
+  gate_up_RG, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDG)
+  act_RF, act_vjp = jax.vjp(lambda h: _swiglu_activation(h, x_RD.dtype), gate_up_RG)
+  w_R1 = w_R.astype(jnp.float32)[:, None]
+  # Only the transposes of this product are used: its forward is dead code that XLA removes.
+  _, down_vjp = jax.vjp(lambda a, w: gmm(a, w, sizes_L), (act_RF * w_R1).astype(x_RD.dtype), w_down_LFD)
+  g_RF, dw_down_LFD = down_vjp(dy_RD.astype(jnp.float32))
+  g_RF = g_RF.astype(jnp.float32)
+  dw_R = jnp.sum(g_RF * act_RF.astype(jnp.float32), axis=-1)
+  (d_gate_up_RG,) = act_vjp((g_RF * w_R1).astype(act_RF.dtype))
+  dx_RD, dw_gate_up_LDG = gate_up_vjp(d_gate_up_RG)
+  return (dx_RD.astype(jnp.float32), dw_R, dw_gate_up_LDG.astype(jnp.float32),
+          dw_down_LFD.astype(jnp.float32))

@@ -2,7 +2,7 @@
 partition, walked in chunks of at most R rows. No communication.
 
 A hop's pairs are a contiguous range [start, start + count) of an expert-sorted pair list (see `pair_plan`).
-The chunk count is data-dependent (a `while_loop`), so any routing skew is computed with no drops and no padding.
+The chunk count is data-dependent (`while_loop`s), so any routing skew is computed with no drops and no padding.
 """
 
 from typing import NamedTuple
@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import expert_swiglu
+from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import chunk_group_sizes
 
@@ -40,23 +40,32 @@ class _ChunkRows(NamedTuple):
 
 
 def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None):
-  """carry = body(rows, carry) over the range `pairs`, chunk_rows at a time.
+  """carry = body(rows, carry) over the range `pairs`, in chunks whose sizes come from the ladder `chunk_rows`.
 
-  A while loop cannot be reverse-differentiated; `static_chunks` runs a fixed count instead (autodiff ablation).
+  `chunk_rows` is a descending tuple of row counts: full chunks of the first size while at least that many pairs
+  remain, then of the next, and the last size until the range is done. A grouped kernel costs its static row count
+  whatever the range's count, so the ladder bounds the tail's waste by the last size while most rows still go
+  through the first. A while loop cannot be reverse-differentiated; `static_chunks` runs a fixed count of the first
+  size instead (autodiff ablation).
   """
-  iota_R = jnp.arange(chunk_rows, dtype=jnp.int32)
 
-  def step(c, carry):
-    offset = c * chunk_rows
-    rows = _ChunkRows(pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
-                      valid_R=offset + iota_R < pairs.count,
-                      sizes_L=chunk_group_sizes(pairs.sizes_L, offset, chunk_rows))
-    return body(rows, carry)
+  def step(rows, offset, carry):
+    iota_R = jnp.arange(rows, dtype=jnp.int32)
+    chunk = _ChunkRows(pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
+                       valid_R=offset + iota_R < pairs.count,
+                       sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
+    return offset + rows, body(chunk, carry)
 
   if static_chunks is not None:
-    return jax.lax.fori_loop(0, static_chunks, step, carry)
-  return jax.lax.while_loop(lambda s: s[0] * chunk_rows < pairs.count, lambda s: (s[0] + 1, step(*s)),
-                            (jnp.int32(0), carry))[1]
+    return jax.lax.fori_loop(0, static_chunks, lambda c, carry: step(chunk_rows[0], c * chunk_rows[0], carry)[1],
+                             carry)
+  offset = jnp.int32(0)
+  for level, rows in enumerate(chunk_rows):
+    last = level == len(chunk_rows) - 1
+    more = ((lambda s: s[0] < pairs.count) if last
+            else (lambda s, rows=rows: pairs.count - s[0] >= rows))
+    offset, carry = jax.lax.while_loop(more, lambda s, rows=rows: step(rows, *s), (offset, carry))
+  return carry
 
 
 def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None):
@@ -84,15 +93,14 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, back
   def chunk(rows, carry):
     grads, dW = carry
     tok_R = tokens.tok_P[rows.pos_R]
-    swiglu = jax.checkpoint(lambda x, *w: expert_swiglu(x, *w, rows.sizes_L, backend=backend))
-    out_RD, swiglu_vjp = jax.vjp(swiglu, vary_like(tokens.x_TD[tok_R], vary_axes), *weights)
-    dy_RD = dy_TD[tok_R].astype(jnp.float32)
     valid_R1 = rows.valid_R[:, None]
-    dw_R = jnp.where(rows.valid_R, jnp.sum(dy_RD * out_RD, axis=-1), 0.0)
-    d_out_RD = jnp.where(valid_R1, dy_RD * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None], 0.0)
-    dx_RD, *dW_chunk = swiglu_vjp(vary_like(d_out_RD, vary_axes))
-    grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD.astype(jnp.float32), 0.0)),
-                      dw_P=grads.dw_P.at[rows.pos_R].add(dw_R))
-    return grads, tuple(a + b.astype(jnp.float32) for a, b in zip(dW, dW_chunk))
+    w_R = jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0)
+    dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
+    dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
+        vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes),
+        vary_like(w_R, vary_axes), backend=backend)
+    grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD, 0.0)),
+                      dw_P=grads.dw_P.at[rows.pos_R].add(jnp.where(rows.valid_R, dw_R, 0.0)))
+    return grads, tuple(a + b for a, b in zip(dW, dW_chunk))
 
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (grads, dW))

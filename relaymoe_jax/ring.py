@@ -83,7 +83,7 @@ class RingSpec:
   layout: ExpertLayout
   num_experts: int
   top_k: int
-  chunk_rows: int
+  chunk_rows: tuple[int, ...]  # the chunk-size ladder of a hop (see `hop.for_each_chunk`)
   backend: str
   static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
 
@@ -96,10 +96,44 @@ class RingSpec:
     return dict(chunk_rows=self.chunk_rows, backend=self.backend)
 
 
+# A hop's chunks: the first size takes the bulk, then sizes 4× smaller, down to no less than LADDER_MIN_ROWS, take
+# its tail. Below LADDER_MIN_ROWS · LADDER_STEP rows there is one size (less to compile, and little to waste).
+LADDER_STEP = 4
+LADDER_LEVELS = 3
+LADDER_MIN_ROWS = 1024
+
+
+def _round_up(rows, multiple=ROW_ALIGN):
+  return multiple * math.ceil(rows / multiple)
+
+
+def chunk_ladder(rows):
+  """(rows, rows/4, rows/16, …) rounded up to 128, LADDER_LEVELS at most, none below LADDER_MIN_ROWS."""
+  ladder = [rows]
+  while len(ladder) < LADDER_LEVELS and ladder[-1] >= LADDER_MIN_ROWS * LADDER_STEP:
+    ladder.append(_round_up(ladder[-1] // LADDER_STEP))
+  return tuple(ladder)
+
+
 def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
-  """The balanced share of one hop, ceil(T·K / N), rounded up to a multiple of 128, at most row_cap."""
-  share = ROW_ALIGN * math.ceil(math.ceil(tokens_per_device * top_k / ring_size) / ROW_ALIGN)
-  return min(share, row_cap) if row_cap else share
+  """The ladder for a hop whose balanced share is ceil(T·K / N) rows.
+
+  With a ladder, the first size is 31/32 of the share, so that a hop near balance runs one full chunk and one
+  small one; a first size of the whole share would run a second full-size chunk for a single extra row.
+  """
+  share = _round_up(math.ceil(tokens_per_device * top_k / ring_size))
+  if row_cap:
+    share = min(share, row_cap)
+  if len(chunk_ladder(share)) > 1:
+    share = _round_up(share - share // 32)
+  return chunk_ladder(share)
+
+
+def _check_ladder(chunk_rows):
+  ladder = (chunk_rows,) if isinstance(chunk_rows, int) else tuple(chunk_rows)
+  if not ladder or any(not isinstance(r, int) or r < 1 for r in ladder) or list(ladder) != sorted(ladder)[::-1]:
+    raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int or a descending tuple of positive ints")
+  return chunk_ladder(ladder[0]) if isinstance(chunk_rows, int) else ladder
 
 
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True):
@@ -109,11 +143,12 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
   num_experts, d_model, d_ff = w_gate_EDF.shape
   # The widest grouped matmul of a hop is gate and up fused: 2F (per tensor-parallel slice) columns.
   row_cap = max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, 2 * d_ff // layout.tensor_size))
-  chunk_rows = chunk_rows or default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap)
-  if chunk_rows < 1:
-    raise ValueError(f"chunk_rows={chunk_rows} must be positive")
-  static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / chunk_rows)
-  return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=chunk_rows, backend=backend,
+  ladder = (_check_ladder(chunk_rows) if chunk_rows is not None
+            else default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap))
+  if not recompute:
+    ladder = ladder[:1]
+  static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])
+  return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=ladder, backend=backend,
                   static_chunks=static_chunks)
 
 

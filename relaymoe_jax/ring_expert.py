@@ -68,8 +68,10 @@ class RingExpert:
   """Expert-routing ring dispatcher.
 
   Attributes:
-    chunk_rows: R, rows of one grouped-matmul chunk; default the balanced share ceil(T·K/N) rounded up to 128
-      (capped for backends without a grouped kernel, see `grouped_matmul.max_chunk_rows`).
+    chunk_rows: rows of one grouped-matmul chunk: an int R (with tail sizes R/4, R/16 added when R ≥ 4096) or a
+      descending tuple, the sizes a hop's pairs are walked in (see `hop.for_each_chunk`). Default: from 31/32 of the
+      balanced share ceil(T·K/N) (capped for backends without a grouped kernel, see
+      `grouped_matmul.max_chunk_rows`): one chunk and a small tail per hop when routing is balanced.
     backend: grouped-matmul backend: "auto" (Mosaic GPU kernels on Hopper, else "xla"), "xla", "mosaic_gpu",
       "kernel_reference" (see `grouped_matmul`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
@@ -77,7 +79,7 @@ class RingExpert:
       forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.
   """
 
-  chunk_rows: int | None = None
+  chunk_rows: int | tuple[int, ...] | None = None
   backend: str = "auto"
   recompute: bool = True
 

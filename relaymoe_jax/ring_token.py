@@ -83,11 +83,11 @@ class RingToken:
   """Token-routing ring dispatcher: preferable when expert weights are large next to a device's tokens.
 
   Attributes:
-    chunk_rows: R, rows of one grouped-matmul chunk (default as for `RingExpert`).
+    chunk_rows: chunk sizes of a hop, as for `RingExpert`.
     backend: grouped-matmul backend name.
   """
 
-  chunk_rows: int | None = None
+  chunk_rows: int | tuple[int, ...] | None = None
   backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):

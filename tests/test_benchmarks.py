@@ -10,14 +10,19 @@ from benchmarks import moe_layer
 @pytest.fixture(scope="module")
 def rows():
   return [moe_layer.run_one(v, "tiny", 64, iters=1)
-          for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1")]
+          for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16")]
 
 
 def test_moe_layer_rows_measure_every_variant(rows):
   for row in rows:
     assert "error" not in row, row
     assert row["latency_ms"] > 0 and row["temp_bytes"] > 0
-  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8]
+  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8]
+
+
+def test_variant_names_a_chunk_ladder():
+  assert moe_layer.variant_options("ring_expert@32768/8192") == ("ring_expert", {"chunk_rows": (32768, 8192)})
+  assert moe_layer.variant_options("a2a_cf1") == ("all_to_all", {"capacity_factor": 1.0})
 
 
 def test_moe_layer_summary_has_every_field(rows):

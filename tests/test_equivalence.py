@@ -20,16 +20,16 @@ TOKENS, D_MODEL, D_FF = 64, 16, 24
 DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
 E_ONLY, DATA_EXPERT = (rm.EXPERT,), (rm.DATA, rm.EXPERT)
-# (mesh shape, axis names, E, K, skewed routing, chunk_rows)
+# (mesh shape, axis names, E, K, skewed routing, chunk_rows: one size or a ladder)
 CASES = [
     ((1,), E_ONLY, 8, 2, False, None),
     ((2,), E_ONLY, 16, 8, True, None),
     ((4,), E_ONLY, 8, 1, False, None),
     ((8,), E_ONLY, 64, 8, False, None),
-    ((8,), E_ONLY, 8, 2, True, 8),
+    ((8,), E_ONLY, 8, 2, True, (8, 3)),
     ((8,), E_ONLY, 16, 8, True, None),
     ((2, 4), DATA_EXPERT, 16, 2, False, None),
-    ((4, 2), DATA_EXPERT, 64, 8, True, 16),
+    ((4, 2), DATA_EXPERT, 64, 8, True, (16, 4)),
     ((2, 4), DATA_EXPERT, 8, 1, True, 4),
 ]
 
@@ -37,7 +37,7 @@ CASES = [
 def _case_id(case):
   shape, names, e, k, skew, rows = case
   return f"{'x'.join(map(str, shape))}{'-dp' if len(names) > 1 else ''}-E{e}-K{k}-{'skew' if skew else 'unif'}" + (
-      f"-R{rows}" if rows else "")
+      f"-R{'-'.join(map(str, rows)) if isinstance(rows, tuple) else rows}" if rows else "")
 
 
 def loss_and_grads(layer, mesh, dispatcher, **options):

@@ -38,6 +38,8 @@ BAD = [
     ("missing token axis", {}, dict(token_axes=("expert", "batch")), "token axis 'batch'"),
     ("bad capacity", {}, dict(dispatcher="all_to_all", capacity_factor=0.0), "capacity_factor=0.0"),
     ("bad backend", {}, dict(dispatcher="ring_expert", backend="cutlass"), "backend 'cutlass'"),
+    ("zero chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=0), "chunk_rows=0"),
+    ("ascending ladder", {}, dict(dispatcher="ring_token", chunk_rows=(4, 16)), "descending tuple"),
 ]
 
 
