@@ -73,8 +73,12 @@ def expert_flops(tokens, d, f, k):
   return 3 * tokens * k * (2 * d * 2 * f + 2 * f * d)
 
 
-def run_one(variant, shape, tokens_per_gpu, iters):
-  """Measures one variant in this process; returns a dict (or the failure)."""
+PROFILE_STEPS = 2
+
+
+def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None):
+  """Measures one variant in this process; returns a dict (or the failure). With `profile_dir`, then traces
+  PROFILE_STEPS more steps there and adds the first device's kernel time by kind (`benchmarks.trace_summary`)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -126,12 +130,24 @@ def run_one(variant, shape, tokens_per_gpu, iters):
   row["peak_bytes"] = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
   useful = 0 if variant == TRANSFER else expert_flops(tokens_per_gpu, d, f, k)
   row["useful_tflops_per_gpu"] = useful / (row["latency_ms"] / 1e3) / 1e12
+  if profile_dir:
+    row["kernels"] = _profile(jax, compiled, args, os.path.join(profile_dir, variant.replace("/", "_")))
   return row
 
 
-def run_isolated(variant, shape, tokens, iters):
+def _profile(jax, compiled, args, trace_dir):
+  from benchmarks.trace_summary import find_trace, kernel_times  # noqa: PLC0415
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(PROFILE_STEPS):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+  platform_device = "GPU:0" if jax.default_backend() == "gpu" else "CPU"
+  return kernel_times(find_trace(trace_dir), PROFILE_STEPS, platform_device)
+
+
+def run_isolated(variant, shape, tokens, iters, profile_dir=None):
   cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--one", variant, "--shape", shape, "--tokens", str(tokens),
-         "--iters", str(iters)]
+         "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else [])
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
   for line in reversed(proc.stdout.splitlines()):
     if line.startswith("{"):
@@ -162,13 +178,21 @@ def ep_scaling(tokens_per_device=2048, num_experts=128, ep_sizes=(8, 16, 32, 64)
   return rows
 
 
+def _profiled(row):
+  """Grouped-matmul kernel time and exposed communication per step, from the trace (— without --profile)."""
+  k = row.get("kernels")
+  if not k:
+    return "— | —"
+  return f"{k['by_kind'].get('grouped matmul', 0.0):.1f} | {k.get('exposed_collective_ms', float('nan')):.1f}"
+
+
 def render(rows, scaling):
-  lines = ["| shape | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| shape | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 | "
+           "GEMM ms | exposed comm ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   by = {(r["shape"], r["tokens_per_gpu"], r["variant"]): r for r in rows}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | |")
+      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | | | |")
       continue
     ratios = []
     for base in (() if r["variant"].startswith(("compute_floor", TRANSFER)) else ("a2a_dropless", "a2a_cf1")):
@@ -177,7 +201,7 @@ def render(rows, scaling):
     ratios = ratios or ["—", "—"]
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
-                 f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} |")
+                 f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} | {_profiled(r)} |")
   if scaling:
     lines += ["", "| EP | E | T/dev | ring MiB | dropless MiB | cf1 MiB | dropless/ring | cf1/ring |",
               "|---|---|---|---|---|---|---|---|"]
@@ -244,10 +268,11 @@ def main(argv=None):
   parser.add_argument("--ep-scaling", action="store_true")
   parser.add_argument("--skip-layers", action="store_true", help="only --ep-scaling")
   parser.add_argument("--plot")
+  parser.add_argument("--profile", metavar="DIR", help="also trace each variant under DIR and report kernel time")
   parser.add_argument("--out", default=os.path.join(RESULTS, "moe_layer.json"))
   args = parser.parse_args(argv)
   if args.one:
-    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters)), flush=True)
+    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters, args.profile)), flush=True)
     return
   if args.plot:
     plot(args.plot)
@@ -265,7 +290,7 @@ def main(argv=None):
   if not args.skip_layers:
     for tokens in map(int, args.tokens.split(",")):
       for variant in args.variants.split(","):
-        rows.append(run_isolated(variant, args.shape, tokens, args.iters))
+        rows.append(run_isolated(variant, args.shape, tokens, args.iters, args.profile))
         print(rows[-1], flush=True)
         save()
   if args.ep_scaling:

@@ -25,15 +25,19 @@ class TokenSide(NamedTuple):
 
 class PairGrads(NamedTuple):
   dx_TD: jax.Array  # float32
-  dw_P: jax.Array  # float32, in sorted-pair order
+  dw_P: jax.Array  # float32, in sorted-pair order, then max(chunk_rows) of padding (see `backward_pairs`)
+
+  def pair_weight_grads(self, num_pairs):
+    return self.dw_P[:num_pairs]
 
 
-def zero_pair_grads(x_TD, num_pairs, axes):
+def zero_pair_grads(x_TD, num_pairs, axes, chunk_rows):
   return PairGrads(dx_TD=varying_zeros(x_TD.shape, jnp.float32, axes),
-                   dw_P=varying_zeros((num_pairs,), jnp.float32, axes))
+                   dw_P=varying_zeros((num_pairs + max(chunk_rows),), jnp.float32, axes))
 
 
 class _ChunkRows(NamedTuple):
+  first: jax.Array  # sorted-pair position of the chunk's first row
   pos_R: jax.Array  # sorted-pair positions, clipped into the pair list
   valid_R: jax.Array  # False past the range's end
   sizes_L: jax.Array  # group sizes of the valid rows
@@ -51,7 +55,7 @@ def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None
 
   def step(rows, offset, carry):
     iota_R = jnp.arange(rows, dtype=jnp.int32)
-    chunk = _ChunkRows(pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
+    chunk = _ChunkRows(first=pairs.start + offset, pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
                        valid_R=offset + iota_R < pairs.count,
                        sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
     return offset + rows, body(chunk, carry)
@@ -99,8 +103,11 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, back
     dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
         vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes),
         vary_like(w_R, vary_axes), backend=backend)
+    # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
+    # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
+    dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)
     grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD, 0.0)),
-                      dw_P=grads.dw_P.at[rows.pos_R].add(jnp.where(rows.valid_R, dw_R, 0.0)))
+                      dw_P=jax.lax.dynamic_update_slice_in_dim(grads.dw_P, dw_R, rows.first, 0))
     return grads, tuple(a + b for a, b in zip(dW, dW_chunk))
 
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (grads, dW))

@@ -63,6 +63,9 @@ def ring_relay(compute, state, payload, *, axis, n, to_relay):
     return state, to_relay(partial)
   incoming = jax.lax.ppermute(payload, axis, perm)  # hop 0: payload only
   state, partial = compute(state, 0, payload)
+  # The payload must have arrived before the accumulator's send starts. Left free, XLA (one collective in flight
+  # at a time) scheduled this prefetch after hop 0's compute, next to that send, and hop 1 waited for it.
+  incoming, partial = jax.lax.optimization_barrier((incoming, partial))
 
   def body(h, carry):
     payload, acc_prev, state = carry
@@ -159,7 +162,8 @@ def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
   if layout.replica_axes:
     dW = jax.lax.psum(dW, layout.replica_axes)
   dx_TD = layout.sum_tensor_partials(grads.dx_TD)
-  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(grads.dw_P), w_TK.shape)
+  dw_P = grads.pair_weight_grads(plan.order_P.shape[0])
+  dw_TK = unsort_pair_values(plan, layout.sum_tensor_partials(dw_P), w_TK.shape)
   return (dx_TD.astype(x_TD.dtype), dw_TK.astype(w_TK.dtype), *dW)
 
 

@@ -66,7 +66,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   weights = tuple(vary_like(w, layout.compute_axes) for w in (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD))
 
   def hop(dW, h, visiting):
-    grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes)
+    grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
     grads, dW = backward_pairs(visiting.tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
                                grads, dW, vary_axes=layout.compute_axes, **spec.chunk_options)
     return dW, grads

@@ -33,3 +33,8 @@ def test_moe_layer_summary_has_every_field(rows):
     assert float(fields[key]) > 0, (key, line)
   assert float(fields["useful_tflops"]) >= 0  # tiny on CPU rounds to 0.0; peak memory ratios are nan on CPU
   assert "| ring_expert |" in moe_layer.render(rows, [])
+
+
+def test_profile_reports_kernel_time(tmp_path):
+  row = moe_layer.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
+  assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]

@@ -95,6 +95,14 @@ def test_dispatchers_on_the_kernel_path_match_the_oracle(dispatcher):
   assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, dispatcher, backend="kernel_reference")
 
 
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
+def test_chunk_ladder_on_the_kernel_path_matches_the_oracle(dispatcher):
+  """Chunks of three sizes, each with rows past the range's end that the kernels leave as NaN."""
+  layer = random_layer(22, 64, 16, 24, 16, 4, skew=True)
+  assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, dispatcher, backend="kernel_reference",
+                        chunk_rows=(24, 8, 3))
+
+
 def _hopper_or_skip():
   if not gm._hopper():
     pytest.skip("the Mosaic GPU kernels need a Hopper GPU; run `pytest -m gpu` there")
