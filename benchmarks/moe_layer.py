@@ -230,28 +230,38 @@ def summary(rows, scaling, shape="qwen3_30b", tokens=65536):
 
 
 def plot(path):
+  """Latency and peak memory of the Qwen3-30B layer against tokens per GPU (bars per variant when the file has one
+  token count), and compile-only memory against EP."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   data = json.load(open(path))
-  rows = [r for r in data["rows"] if "error" not in r]
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-  colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red")))
-  for variant in VARIANTS:
-    pts = sorted((r["tokens_per_gpu"], r["latency_ms"], r["peak_bytes"] / 2**30) for r in rows
-                 if r["variant"] == variant and r["shape"] == "qwen3_30b")
-    if pts:
-      axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=variant, color=colors[variant])
-      axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=variant, color=colors[variant])
-  axes[0].set(xlabel="tokens per GPU", ylabel="fwd+bwd ms", title="Qwen3-30B MoE layer: latency")
-  axes[1].set(xlabel="tokens per GPU", ylabel="peak GiB", title="Qwen3-30B MoE layer: peak memory")
+  rows = [r for r in data["rows"] if "error" not in r and r["shape"] == "qwen3_30b" and r["variant"] != TRANSFER]
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  panels = ((0, "latency_ms", "fwd+bwd ms", "latency"), (1, "peak_bytes", "peak GiB", "peak memory"))
+  scale = dict(latency_ms=1.0, peak_bytes=2.0**-30)
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  colors = {v: f"C{i}" for i, v in enumerate(variants)}
+  tokens = sorted({r["tokens_per_gpu"] for r in rows})
+  for i, key, label, what in panels:
+    if len(tokens) == 1:
+      values = {r["variant"]: r[key] * scale[key] for r in rows}
+      axes[i].barh(variants, [values[v] for v in variants], color=[colors[v] for v in variants])
+      axes[i].set(xlabel=label, title=f"Qwen3-30B MoE layer, {tokens[0]} tokens/GPU: {what}")
+      continue
+    for variant in variants:
+      pts = sorted((r["tokens_per_gpu"], r[key] * scale[key]) for r in rows if r["variant"] == variant)
+      axes[i].plot(*zip(*pts), "o-", label=variant, color=colors[variant])
+    axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer: {what}")
+    axes[i].legend()
   scaling = data.get("ep_scaling", [])
   for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
-    axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key, color=colors[key])
+    axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key)
   axes[2].set(xlabel="EP (emulated CPU devices)", ylabel="compiled temporaries MiB", xscale="log", yscale="log",
-              title="memory vs EP, fixed tokens per device")
-  for ax in axes:
-    ax.legend()
+              title="memory vs EP (fixed tokens/device)")
+  axes[2].set_xticks([s["ep"] for s in scaling], [str(s["ep"]) for s in scaling], minor=False)
+  axes[2].minorticks_off()
+  axes[2].legend()
   out = os.path.splitext(path)[0] + ".png"
   fig.tight_layout()
   fig.savefig(out, dpi=110)
