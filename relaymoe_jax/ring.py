@@ -73,7 +73,10 @@ def ring_relay(compute, state, payload, *, axis, n, to_relay):
     state, partial = compute(state, h, payload)
     return incoming, merge(acc_in, partial), state
 
-  payload, acc, state = jax.lax.fori_loop(1, n - 1, body, (incoming, to_relay(partial), state))
+  carry = (incoming, to_relay(partial), state)
+  if n > 2:  # (not traced for a ring of two: each trace of `compute` is compiled again, grouped kernels and all)
+    carry = jax.lax.fori_loop(1, n - 1, body, carry)
+  payload, acc, state = carry
   acc_in = jax.lax.ppermute(acc, axis, perm)  # hop N−1: accumulator only
   state, partial = compute(state, n - 1, payload)
   return state, jax.lax.ppermute(merge(acc_in, partial), axis, perm)  # home

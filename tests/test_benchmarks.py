@@ -38,3 +38,17 @@ def test_moe_layer_summary_has_every_field(rows):
 def test_profile_reports_kernel_time(tmp_path):
   row = moe_layer.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
+
+
+def test_ep8_summary_averages_over_points():
+  from benchmarks.ep8_summary import ep8_summary
+  rows = [dict(shape=s, tokens_per_gpu=t, variant=v, gpus=8, latency_ms=ms, peak_bytes=mem)
+          for s, t, v, ms, mem in [("a", 1, "ring_expert", 10.0, 1.0), ("a", 1, "a2a_dropless", 30.0, 5.0),
+                                   ("a", 1, "a2a_cf1", 20.0, 3.0), ("b", 1, "ring_expert", 10.0, 1.0),
+                                   ("b", 1, "a2a_dropless", 10.0, 3.0), ("b", 1, "a2a_cf1", 10.0, 1.0),
+                                   ("c", 1, "ring_expert", 1.0, 1.0)]]  # c: no all-to-all, not averaged
+  line = ep8_summary(rows, {"loss_curve_max_abs_diff": 1e-6})
+  assert line == ("summary: ep8 speedup_vs_dropless_mean=2.00 speedup_vs_cf1_mean=1.50 mem_ratio_dropless_mean=4.00 "
+                  "loss_curve_max_abs_diff=1e-06")
+  with pytest.raises(ValueError, match="no point"):
+    ep8_summary([dict(r, gpus=2) for r in rows], {"loss_curve_max_abs_diff": 0.0})

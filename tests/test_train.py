@@ -125,6 +125,13 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(state.params))
 
 
+@pytest.mark.parametrize("name", ["cpu", "gpu", "ep8"])
+def test_shipped_run_configs_build_their_model(name):
+  run_config = load_run_config(name)
+  model_config = model_config_for(run_config)
+  assert run_config.batch_size * run_config.seq_len > 0 and model_config.num_hidden_layers >= 1
+
+
 def test_bad_run_configs_are_named(tmp_path):
   bad_yaml = tmp_path / "bad.yaml"
   bad_yaml.write_text("model: tiny\nbatch_sise: 4\n")

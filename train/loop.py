@@ -190,15 +190,21 @@ def run(run_config: RunConfig, *, resume=False):
   step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
                     out_shardings=(state_shardings, NamedSharding(mesh, P())))
   b, s = run_config.batch_size, run_config.seq_len
+  if jax.process_index() == 0:
+    print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
+          flush=True)
+  compile_start = time.perf_counter()
   compiled = step_fn.lower(state, global_batch(source.batch(start, b, s), mesh)).compile()
+  compile_s = time.perf_counter() - compile_start
   flops_per_step = model_flops_per_token(model_config, s) * b * s
   peak_tflops = _peak_tflops(run_config)
   plan = dispatch_plan(model_config, run_config, mesh)
   if jax.process_index() == 0:
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
-        mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(),
+        mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
         entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict()), indent=1, default=str))
+    print(f"compiled in {compile_s:.1f} s", flush=True)
     if plan:
       print(f"MoE dispatcher {model_config.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
