@@ -309,21 +309,24 @@ class Qwen3MoE(_Layer):
     return self.logits_and_aux(tokens_BS)[0]
 
   def logits_and_aux(self, tokens_BS):
-    """(float32 logits [B, S, V], router losses averaged over the MoE layers: dict of scalars)."""
+    """(float32 logits [B, S, V], router losses of the MoE layers: Hugging Face's load-balancing loss over every
+    layer's routing (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
     b, s = tokens_BS.shape
     tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
     x = self.cast(self.embed_VD)[tokens_BS]
     positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    lb, z, sparse = 0.0, 0.0, 0
+    auxes = []
     for layer in self.layers:
       x, aux = layer(x, positions_BS)
       if aux is not None:
-        lb, z, sparse = lb + aux.load_balancing_loss, z + aux.z_loss, sparse + 1
+        auxes.append(aux)
     x = self.norm(x)
     head = self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    sparse = max(sparse, 1)
-    return logits, {"load_balancing_loss": lb / sparse, "router_z_loss": z / sparse}
+    if not auxes:
+      return logits, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
+    return logits, {"load_balancing_loss": rm.load_balancing_loss(auxes),
+                    "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
 
 
 def create_sharded(config, mesh, seed=0):

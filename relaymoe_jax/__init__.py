@@ -16,11 +16,11 @@ from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.moe import DISPATCHERS, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
 from relaymoe_jax.ring_expert import RingExpert
 from relaymoe_jax.ring_token import RingToken
-from relaymoe_jax.routing import RouterAux, route
+from relaymoe_jax.routing import RouterAux, load_balancing_loss, route
 from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
     "AllToAll", "Auto", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout", "ModeVolume",
-    "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "make_dispatcher", "moe_ffn",
-    "plan_dispatch", "route", "shared_expert",
+    "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "load_balancing_loss",
+    "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
 ]

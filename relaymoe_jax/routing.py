@@ -16,14 +16,29 @@ class RouterAux(NamedTuple):
 
   Attributes:
     load_balancing_loss: E · Σ_e f_e · P_e with f_e = (pairs routed to e) / T and P_e the mean router probability
-      of e, exactly as Hugging Face's Qwen3-MoE `load_balancing_loss_func` computes it (K under uniform routing).
+      of e, exactly as Hugging Face's Qwen3-MoE `load_balancing_loss_func` computes it for one layer (K under
+      uniform routing). For several layers use `load_balancing_loss(auxes)`, as Hugging Face does.
     expert_counts_E: int32 number of token–expert pairs routed to each expert.
     z_loss: mean over tokens of logsumexp(logits)², the router z-loss of ST-MoE.
+    fraction_E: f_e, float32.
+    mean_prob_E: P_e, float32.
   """
 
   load_balancing_loss: jax.Array
   expert_counts_E: jax.Array
   z_loss: jax.Array
+  fraction_E: jax.Array
+  mean_prob_E: jax.Array
+
+
+def load_balancing_loss(auxes):
+  """Hugging Face's load-balancing loss over several MoE layers: it concatenates every layer's router logits, so
+  f_e and P_e are averaged over all (layer, token) rows before the product: E · Σ_e mean_l(f_le) · mean_l(P_le)
+  (layers see the same tokens). Not the mean of the per-layer losses, which differs when layers route differently.
+  """
+  fraction_E = sum(a.fraction_E for a in auxes) / len(auxes)
+  prob_E = sum(a.mean_prob_E for a in auxes) / len(auxes)
+  return fraction_E.shape[0] * jnp.sum(fraction_E * prob_E)
 
 
 def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
@@ -51,9 +66,12 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
     w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
   counts_E = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=jnp.int32), axis=(0, 1))
   fraction_E = counts_E.astype(jnp.float32) / x_TD.shape[0]
+  mean_prob_E = jnp.mean(probs_TE, axis=0)
   aux = RouterAux(
-      load_balancing_loss=num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=0)),
+      load_balancing_loss=num_experts * jnp.sum(fraction_E * mean_prob_E),
       expert_counts_E=counts_E,
       z_loss=jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2),
+      fraction_E=fraction_E,
+      mean_prob_E=mean_prob_E,
   )
   return idx_TK.astype(jnp.int32), w_TK.astype(x_TD.dtype), aux

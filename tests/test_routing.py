@@ -9,15 +9,15 @@ import pytest
 import relaymoe_jax as rm
 
 
-def numpy_route(x, router, top_k, norm):
-  logits = x.astype(np.float64) @ router.astype(np.float64)
+def numpy_route(x, router, top_k, norm, logits=None):
+  logits = x.astype(np.float64) @ router.astype(np.float64) if logits is None else logits.astype(np.float64)
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   idx = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
   w = np.take_along_axis(probs, idx, -1)
   if norm:
     w = w / w.sum(-1, keepdims=True)
-  num_e = router.shape[1]
+  num_e = logits.shape[1]
   mask = np.eye(num_e)[idx]  # [T, K, E], as HF's one_hot(selected_experts)
   lb = num_e * np.sum(mask.mean(0) * probs.mean(0)[None])
   lse = np.log(np.exp(logits).sum(-1))
@@ -36,6 +36,19 @@ def test_route_matches_numpy(top_k, norm):
   np.testing.assert_allclose(float(aux.load_balancing_loss), lb_ref, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(aux.expert_counts_E), counts_ref)
   np.testing.assert_allclose(float(aux.z_loss), z_ref, rtol=1e-4)
+
+
+def test_load_balancing_loss_over_layers_concatenates_them_as_hugging_face():
+  """HF's load_balancing_loss_func takes every layer's router logits concatenated along tokens; layers that route
+  differently give a different value from the mean of per-layer losses."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(40, 12)).astype(np.float32)
+  routers = [rng.normal(size=(12, 16)).astype(np.float32) * s for s in (0.5, 2.0, 4.0)]
+  auxes = [rm.route(jnp.asarray(x), jnp.asarray(r), top_k=4)[2] for r in routers]
+  lb_concat = numpy_route(np.concatenate([x] * 3), None, 4, True, logits=np.concatenate([x @ r for r in routers]))[2]
+  np.testing.assert_allclose(float(rm.load_balancing_loss(auxes)), lb_concat, rtol=1e-5)
+  per_layer_mean = np.mean([float(a.load_balancing_loss) for a in auxes])
+  assert abs(per_layer_mean - lb_concat) > 1e-3 * lb_concat
 
 
 def test_load_balancing_loss_is_k_under_uniform_router():
