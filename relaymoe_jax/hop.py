@@ -1,5 +1,5 @@
 """One hop's computation, shared by both rings: the pairs of one token partition whose experts are in one weight
-partition, walked in chunks of at most R rows. No communication.
+partition, walked in chunks whose sizes come from a ladder (`for_each_chunk`). No communication.
 
 A hop's pairs are a contiguous range [start, start + count) of an expert-sorted pair list (see `pair_plan`).
 The chunk count is data-dependent (`while_loop`s), so any routing skew is computed with no drops and no padding.
