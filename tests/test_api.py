@@ -66,3 +66,12 @@ def test_route_then_moe_inside_callers_jit_gradients_reach_router():
   assert abs(float(v) - float(v_ref)) <= F32_RTOL * abs(float(v_ref))
   for name, a, b in zip(("x", "router", "w_gate", "w_up", "w_down"), g, g_ref):
     assert_close(a, b, F32_RTOL, name)
+
+
+def test_default_chunk_ladder():
+  from relaymoe_jax.ring import chunk_ladder, default_chunk_rows
+  # Qwen3-30B at EP 2: share 262144 rows; the first size is 31/32 of it, then 1/4 and 1/16 of that for the tail.
+  assert default_chunk_rows(65536, 8, 2) == (253952, 63488, 15872)
+  assert default_chunk_rows(64, 2, 8) == (128,)  # small shares: one size, the share rounded up to 128
+  assert default_chunk_rows(65536, 8, 2, row_cap=8192) == (7936, 2048)  # tail sizes round up to 128
+  assert chunk_ladder(4095) == (4095,) and chunk_ladder(4096) == (4096, 1024)
