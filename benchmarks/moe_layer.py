@@ -8,28 +8,46 @@ Every variant runs in its own process (so allocator peaks do not mix) over all l
 the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend. Reported:
 median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, useful TFLOP/s per GPU (model
 FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the overlap measure:
-`compute_floor` (the ring on one GPU: the same compute, no transfers) and `transfer` (the ring's transfers alone);
-hop_overlap = ring latency / max of the two. A variant `NAME@R1/R2` runs NAME with the chunk-size ladder (R1, R2).
+`ring_nocomm` (the ring's own hops, chunks and kernels with every send replaced by keeping the local payload: its
+compute alone) and `transfer` (the ring's transfers alone); hop_overlap = ring latency / max of the two.
+`compute_floor` is the ring of one: all experts on one GPU, no transfers.
+Up to --parallel variant processes compile at once (compilation is CPU work, most of a process's minute); they
+then measure one at a time while the others wait, so no measurement shares the GPU with anything. A variant `NAME@R1/R2` runs NAME with the chunk-size ladder (R1, R2).
 Writes JSON under benchmarks/results/.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-SHAPES = {  # name: (D, F, E, K)
-    "qwen3_30b": (2048, 768, 128, 8),
-    "grid_e64_k8_f512": (2048, 512, 64, 8),
-    "grid_e384_k8_f2048": (2048, 2048, 384, 8),
-    "grid_e128_k16_f768": (2048, 768, 128, 16),
-    "tiny": (64, 32, 16, 4),  # a CPU smoke test of the harness
-}
+MODEL_OF_SHAPE = {"qwen3_30b": "qwen3-30b-a3b"}  # other shapes are named as their configs/models/ file
+GRID = "grid"  # --shape grid: every grid-* model config, the paper's scaling grid (Table 3)
+SUMMARY_SHAPE, SUMMARY_TOKENS = "qwen3_30b", 65536
+
+
+def layer_shape(name):
+  """(D, F, E, K) of one MoE layer of a model config (`qwen3_30b`, `grid-e64-k8-f768`, `tiny`, …)."""
+  from models.qwen3 import load_config  # noqa: PLC0415
+  c = load_config(MODEL_OF_SHAPE.get(name, name))
+  return c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok
+
+
+def shape_names(arg):
+  """The shapes of --shape: a comma list, where `grid` stands for every grid-* model config."""
+  from models.config import CONFIG_DIR  # noqa: PLC0415
+  grid = sorted(p.stem for p in (CONFIG_DIR / "models").glob("grid-*.yaml"))
+  names = [n for part in arg.split(",") for n in (grid if part == GRID else [part])]
+  for name in names:
+    layer_shape(name)  # an unknown name fails here, listing the known ones
+  return names
 VARIANTS = {
     "ring_expert": ("ring_expert", {}),
     "ring_token": ("ring_token", {}),
@@ -37,6 +55,7 @@ VARIANTS = {
     "a2a_dropless": ("all_to_all", {}),
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
+    "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
 }
 TRANSFER = "transfer"  # the ring's fwd+bwd transfers alone (weights; weights + gradients), no compute
 
@@ -48,7 +67,7 @@ def variant_options(variant):
   return dispatcher, dict(options, chunk_rows=tuple(map(int, ladder.split("/")))) if ladder else options
 
 
-def _transfer_step(jax, jnp, rm, mesh, weights):
+def _transfer_step(jax, jnp, rm, mesh):
   """A jitted step that moves exactly what ring_expert moves (forward `ring_pass` of the fused weights, backward
   `ring_relay` of weights and their gradients), with only a trivial add per hop so nothing is optimised away."""
   from relaymoe_jax.grouped_matmul import fuse_gate_up  # noqa: PLC0415
@@ -76,44 +95,75 @@ def expert_flops(tokens, d, f, k):
 PROFILE_STEPS = 2
 
 
-def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None):
-  """Measures one variant in this process; returns a dict (or the failure). With `profile_dir`, then traces
-  PROFILE_STEPS more steps there and adds the first device's kernel time by kind (`benchmarks.trace_summary`)."""
+def _keep_local(x, axis_name, perm):  # noqa: ARG001  (ppermute's signature)
+  return x
+
+
+def _inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu):
+  """The same tokens, routing and expert weights for every variant (key 0), sharded over the expert axis."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  d, f, e, k = layer_shape(shape)
+  t = tokens_per_gpu * mesh.size
+  keys = jax.random.split(jax.random.key(0), 5)
+  sharded = NamedSharding(mesh, P(rm.EXPERT))
+  bf16 = jnp.bfloat16
+  x = jax.device_put(jax.random.normal(keys[0], (t, d), bf16), sharded)
+  router = jax.random.normal(keys[1], (d, e), bf16) * 0.02
+  idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
+  weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), sharded)
+             for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))]
+  return x, idx, w, weights
+
+
+def _step(jax, jnp, rm, mesh, variant):
+  """The jitted fwd+bwd step of one variant, taking (x, router weights, w_gate, w_up, w_down, expert indices)."""
+  dispatcher, options = variant_options(variant)
+
+  def loss(x, w, wg, wu, wd, idx):
+    y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def compile_variant(variant, shape, tokens_per_gpu):
+  """(compiled fwd+bwd step, a function making its arguments afresh, the devices) of one variant."""
+  import unittest.mock  # noqa: PLC0415
+
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
   import relaymoe_jax as rm  # noqa: PLC0415
 
-  d, f, e, k = SHAPES[shape]
   devices = jax.devices()[:1] if variant.startswith("compute_floor") else jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
-  t = tokens_per_gpu * len(devices)
-  keys = jax.random.split(jax.random.key(0), 5)
-  tok, exp = NamedSharding(mesh, P(rm.EXPERT)), NamedSharding(mesh, P(rm.EXPERT))
-  bf16 = jnp.bfloat16
-  x = jax.device_put(jax.random.normal(keys[0], (t, d), bf16), tok)
-  router = jax.random.normal(keys[1], (d, e), bf16) * 0.02
-  idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
-  weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), exp)
-             for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))]
   if variant == TRANSFER:
-    step, args = _transfer_step(jax, jnp, rm, mesh, weights), tuple(weights)
+    step, pick = _transfer_step(jax, jnp, rm, mesh), lambda x, idx, w, weights: tuple(weights)
   else:
-    dispatcher, options = variant_options(variant)
+    step, pick = _step(jax, jnp, rm, mesh, variant), lambda x, idx, w, weights: (x, w, *weights, idx)
+  make_args = lambda: pick(*_inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu))  # noqa: E731
+  no_sends = unittest.mock.patch("jax.lax.ppermute", _keep_local) if variant.startswith("ring_nocomm") else \
+      contextlib.nullcontext()
+  with no_sends:
+    return step.lower(*make_args()).compile(), make_args, devices
 
-    def loss(x, w, wg, wu, wd):
-      y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
-      return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    args = (x, w, *weights)
-  row = dict(variant=variant, shape=shape, tokens_per_gpu=tokens_per_gpu, gpus=len(devices),
-             device=devices[0].device_kind)
+def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_hook=None):
+  """Measures one variant in this process; returns a dict (or the failure). `compiled_hook(row)` runs between
+  compiling and measuring, with no input left on the device. With `profile_dir`, then traces PROFILE_STEPS more
+  steps there and adds the first device's kernel time by kind (`benchmarks.trace_summary`)."""
+  import jax  # noqa: PLC0415
+
+  row = dict(variant=variant, shape=shape, tokens_per_gpu=tokens_per_gpu)
   try:
-    compiled = step.lower(*args).compile()
-    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    start = time.perf_counter()
+    compiled, make_args, devices = compile_variant(variant, shape, tokens_per_gpu)
+    row.update(gpus=len(devices), device=devices[0].device_kind, compile_s=round(time.perf_counter() - start, 1),
+               temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes))
+    if compiled_hook:
+      compiled_hook(row)
+    args = make_args()
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(3):
@@ -128,7 +178,8 @@ def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None):
   row["latency_ms"] = sorted(times)[1] * 1e3
   stats = [dev.memory_stats() or {} for dev in devices]
   row["peak_bytes"] = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
-  useful = 0 if variant == TRANSFER else expert_flops(tokens_per_gpu, d, f, k)
+  d, f, _, k = layer_shape(shape)
+  useful = 0 if variant in (TRANSFER, "ring_nocomm") else expert_flops(tokens_per_gpu, d, f, k)
   row["useful_tflops_per_gpu"] = useful / (row["latency_ms"] / 1e3) / 1e12
   if profile_dir:
     row["kernels"] = _profile(jax, compiled, args, os.path.join(profile_dir, variant.replace("/", "_")))
@@ -145,14 +196,58 @@ def _profile(jax, compiled, args, trace_dir):
   return kernel_times(find_trace(trace_dir), PROFILE_STEPS, platform_device)
 
 
-def run_isolated(variant, shape, tokens, iters, profile_dir=None):
-  cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--one", variant, "--shape", shape, "--tokens", str(tokens),
-         "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else [])
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith("{"):
-      return json.loads(line)
-  return dict(variant=variant, shape=shape, tokens_per_gpu=tokens, error=(proc.stderr or proc.stdout)[-300:])
+class _Child:
+  """One variant in its own process (`--one`): it reports when compiled, then measures when told to."""
+
+  def __init__(self, variant, shape, tokens, iters, profile_dir):
+    self.job = dict(variant=variant, shape=shape, tokens_per_gpu=tokens)
+    cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--one", variant, "--shape", shape, "--tokens", str(tokens),
+           "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else [])
+    # Without preallocation each process takes only what it uses, so the waiting ones leave the GPU to the one
+    # measuring (peak_bytes_in_use counts the allocator's use either way).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    self.stderr = tempfile.TemporaryFile(mode="w+")
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                 cwd=REPO, env=env)
+    self.result = None
+
+  def _message(self):
+    for line in self.proc.stdout:
+      if line.startswith("{"):
+        return json.loads(line)
+    self.proc.wait()
+    self.stderr.seek(0)
+    return dict(self.job, error=self.stderr.read()[-300:] or f"exit status {self.proc.returncode}")
+
+  def wait_compiled(self):
+    message = self._message()
+    if "variant" in message:  # failed before measuring
+      self.result = message
+
+  def measure(self):
+    if self.result is None:
+      self.proc.stdin.write("go\n")
+      self.proc.stdin.flush()
+      self.result = self._message()
+    self.proc.wait()
+    return self.result
+
+
+def run_isolated(jobs, iters, profile_dir=None, parallel=1):
+  """Yields a row per (shape, variant, tokens): `parallel` processes compile together, then measure one after
+  another."""
+  for start in range(0, len(jobs), parallel):
+    batch = [_Child(variant, shape, tokens, iters, profile_dir) for shape, variant, tokens in
+             jobs[start:start + parallel]]
+    for child in batch:
+      child.wait_compiled()
+    for child in batch:
+      yield child.measure()
+
+
+def _wait_for_turn(row):
+  print(json.dumps(dict(compiled=True, compile_s=row["compile_s"])), flush=True)
+  sys.stdin.readline()
 
 
 def ep_scaling(tokens_per_device=2048, num_experts=128, ep_sizes=(8, 16, 32, 64)):
@@ -186,22 +281,40 @@ def _profiled(row):
   return f"{k['by_kind'].get('grouped matmul', 0.0):.1f} | {k.get('exposed_collective_ms', float('nan')):.1f}"
 
 
+def overlap(rows, ring):
+  """(ring latency / max(its compute alone, its transfers alone), compute : transfer) for a ring_expert row, or None.
+
+  Compute alone is `ring_nocomm` at the same point (else the ring of one, `compute_floor`); the transfers do not
+  depend on the token count, so any `transfer` row of the shape serves. 1.0 is perfect overlap."""
+  def find(variant, any_tokens=False):
+    return next((r for r in rows if r["variant"] == variant and r["shape"] == ring["shape"] and "error" not in r
+                 and (any_tokens or r["tokens_per_gpu"] == ring["tokens_per_gpu"])), None)
+  compute, transfer = find("ring_nocomm") or find("compute_floor"), find(TRANSFER, any_tokens=True)
+  if not compute or not transfer:
+    return None
+  return (ring["latency_ms"] / max(compute["latency_ms"], transfer["latency_ms"]),
+          compute["latency_ms"] / transfer["latency_ms"])
+
+
 def render(rows, scaling):
   lines = ["| shape | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 | "
-           "GEMM ms | exposed comm ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "overlap (compute:transfer) | GEMM ms | exposed comm ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   by = {(r["shape"], r["tokens_per_gpu"], r["variant"]): r for r in rows}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | | | |")
+      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | | | | |")
       continue
     ratios = []
-    for base in (() if r["variant"].startswith(("compute_floor", TRANSFER)) else ("a2a_dropless", "a2a_cf1")):
+    for base in (() if r["variant"].startswith(("compute_floor", "ring_nocomm", TRANSFER))
+                 else ("a2a_dropless", "a2a_cf1")):
       b = by.get((r["shape"], r["tokens_per_gpu"], base))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
     ratios = ratios or ["—", "—"]
+    ov = overlap(rows, r) if r["variant"] == "ring_expert" else None
+    ov = f"{ov[0]:.2f} ({ov[1]:.1f}:1)" if ov else "—"
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
-                 f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} | {_profiled(r)} |")
+                 f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} | {ov} | {_profiled(r)} |")
   if scaling:
     lines += ["", "| EP | E | T/dev | ring MiB | dropless MiB | cf1 MiB | dropless/ring | cf1/ring |",
               "|---|---|---|---|---|---|---|---|"]
@@ -211,32 +324,34 @@ def render(rows, scaling):
   return "\n".join(lines)
 
 
-def summary(rows, scaling, shape="qwen3_30b", tokens=65536):
+def summary(rows, scaling, shape=SUMMARY_SHAPE, tokens=SUMMARY_TOKENS):
   by = {r["variant"]: r for r in rows if r["shape"] == shape and r["tokens_per_gpu"] == tokens and "error" not in r}
   ring, dropless, cf1 = by.get("ring_expert"), by.get("a2a_dropless"), by.get("a2a_cf1")
   if not ring:
     return None
   ratio = lambda b, key: f"{b[key] / ring[key]:.2f}" if b and ring[key] else "nan"  # noqa: E731
-  floor, transfer = by.get("compute_floor"), by.get(TRANSFER)
-  # ring time / max(its compute alone, its transfers alone): 1.0 is perfect overlap.
-  hop_overlap = (f"{ring['latency_ms'] / max(floor['latency_ms'], transfer['latency_ms']):.2f}"
-                 if floor and transfer else "nan")
+  ov = overlap(rows, ring)
   ep = {s["ep"]: f"{s['ratio_cf1']:.2f}" for s in scaling}
   return (f"summary: moe_layer gpus={ring['gpus']} shape={shape} tokens={tokens} "
           f"speedup_vs_dropless={ratio(dropless, 'latency_ms')} speedup_vs_cf1={ratio(cf1, 'latency_ms')} "
           f"peak_mem_ratio_dropless={ratio(dropless, 'peak_bytes')} peak_mem_ratio_cf1={ratio(cf1, 'peak_bytes')} "
-          f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap={hop_overlap} "
+          f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap={f'{ov[0]:.2f}' if ov else 'nan'} "
           f"ep8_mem_ratio_cf1={ep.get(8, 'nan')} ep64_mem_ratio_cf1={ep.get(64, 'nan')}")
 
 
 def plot(path):
   """Latency and peak memory of the Qwen3-30B layer against tokens per GPU (bars per variant when the file has one
-  token count), and compile-only memory against EP."""
+  token count; a variant's out-of-memory points in its legend), and compile-only memory against EP."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   data = json.load(open(path))
-  rows = [r for r in data["rows"] if "error" not in r and r["shape"] == "qwen3_30b" and r["variant"] != TRANSFER]
+  ours = [r for r in data["rows"] if r["shape"] == SUMMARY_SHAPE and r["variant"] != TRANSFER]
+  rows = [r for r in ours if "error" not in r]
+  oom = {}
+  for r in ours:
+    if r.get("error") == "out of memory":
+      oom.setdefault(r["variant"], []).append(str(r["tokens_per_gpu"]))
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
   panels = ((0, "latency_ms", "fwd+bwd ms", "latency"), (1, "peak_bytes", "peak GiB", "peak memory"))
   scale = dict(latency_ms=1.0, peak_bytes=2.0**-30)
@@ -251,10 +366,11 @@ def plot(path):
       continue
     for variant in variants:
       pts = sorted((r["tokens_per_gpu"], r[key] * scale[key]) for r in rows if r["variant"] == variant)
-      axes[i].plot(*zip(*pts), "o-", label=variant, color=colors[variant])
-    axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer: {what}")
-    axes[i].legend()
-  scaling = data.get("ep_scaling", [])
+      note = f" (OOM at {', '.join(oom[variant])})" if variant in oom else ""
+      axes[i].plot(*zip(*pts), "o-", label=variant + note, color=colors[variant])
+    axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer, fwd+bwd: {what}")
+    axes[i].legend(fontsize=8)
+  scaling = (data.get("ep_scaling") or {}).get("rows", [])
   for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
     axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key)
   axes[2].set(xlabel="EP (emulated CPU devices)", ylabel="compiled temporaries MiB", xscale="log", yscale="log",
@@ -271,25 +387,32 @@ def plot(path):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--one", help=argparse.SUPPRESS)
-  parser.add_argument("--shape", default="qwen3_30b", choices=sorted(SHAPES))
+  parser.add_argument("--shape", default=SUMMARY_SHAPE,
+                      help=f"comma list of model configs; `{GRID}`: the paper's grid (every grid-* config)")
   parser.add_argument("--tokens", default="16384,32768,65536")
   parser.add_argument("--variants", default=",".join([*VARIANTS, TRANSFER]))
   parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--parallel", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                      help="variant processes compiling at once (they measure one at a time)")
   parser.add_argument("--ep-scaling", action="store_true")
   parser.add_argument("--skip-layers", action="store_true", help="only --ep-scaling")
   parser.add_argument("--plot")
+  parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine results files into --out")
   parser.add_argument("--profile", metavar="DIR", help="also trace each variant under DIR and report kernel time")
   parser.add_argument("--out", default=os.path.join(RESULTS, "moe_layer.json"))
   args = parser.parse_args(argv)
   if args.one:
-    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters, args.profile)), flush=True)
+    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters, args.profile, _wait_for_turn)),
+          flush=True)
     return
   if args.plot:
     plot(args.plot)
     return
-  import jax  # noqa: PLC0415
+  if args.merge:
+    merge(args.merge, args.out)
+    return
   meta = dict(command="python -m benchmarks.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
-              python=platform.python_version(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+              **machine())
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   rows, scaling = [], []
 
@@ -298,20 +421,62 @@ def main(argv=None):
       json.dump(dict(meta=meta, rows=rows, ep_scaling=scaling), fh, indent=1)
 
   if not args.skip_layers:
-    for tokens in map(int, args.tokens.split(",")):
-      for variant in args.variants.split(","):
-        rows.append(run_isolated(variant, args.shape, tokens, args.iters, args.profile))
-        print(rows[-1], flush=True)
-        save()
+    tokens = list(map(int, args.tokens.split(",")))
+    # the transfers do not depend on the token count: measured once per shape, at the first
+    jobs = [(s, v, t) for s in shape_names(args.shape) for t in tokens for v in args.variants.split(",")
+            if v != TRANSFER or t == tokens[0]]
+    for row in run_isolated(jobs, args.iters, args.profile, args.parallel):
+      rows.append(row)
+      print(row, flush=True)
+      save()
   if args.ep_scaling:
-    scaling = ep_scaling()
+    scaling = dict(meta, measure="compile-only temp_size_in_bytes", rows=ep_scaling())
   save()
-  table = render(rows, scaling)
-  line = summary(rows, scaling, args.shape, max(map(int, args.tokens.split(","))))
-  text = table + ("\n" + line if line else "")
-  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
+  print(write_table(dict(meta=meta, rows=rows, ep_scaling=scaling), args.out))
+
+
+def machine():
+  """Python, JAX, XLA flags and the devices (with the NVIDIA driver when there is one) of this run."""
+  import jax  # noqa: PLC0415
+  devices = jax.devices()
+  what = f"{len(devices)}x {devices[0].device_kind}" if jax.default_backend() == "gpu" else \
+      f"{platform.machine()} CPU, emulated devices"
+  try:
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=True).stdout.split()[0]
+    what += f", driver {driver}"
+  except (OSError, subprocess.CalledProcessError, IndexError):
+    pass
+  return dict(python=platform.python_version(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+              machine=what)
+
+
+def merge(paths, out):
+  """One results file from several runs (e.g. one per device call): rows in order, a later run's row replacing an
+  earlier one of the same shape, variant and token count; the last EP-scaling found."""
+  rows, runs, scaling = {}, [], {}
+  for path in paths:
+    data = json.load(open(path))
+    runs.append(data["meta"])
+    rows.update({(r["shape"], r["variant"], r["tokens_per_gpu"]): r for r in data["rows"]})
+    scaling = data.get("ep_scaling") or scaling
+  merged = dict(meta=dict(runs=runs), rows=list(rows.values()), ep_scaling=scaling)
+  with open(out, "w") as fh:
+    json.dump(merged, fh, indent=1)
+  print(write_table(merged, out))
+
+
+def write_table(data, out):
+  """The table (runs, then rows, then EP scaling) and the summary line, into the .txt next to `out`."""
+  runs = data["meta"].get("runs", [data["meta"]])
+  scaling = data.get("ep_scaling") or {}
+  header = [f"# {m['command']}\n#   {m.get('machine', '?')}; JAX {m['jax']}, Python {m['python']}; "
+            f"XLA_FLAGS={m.get('xla_flags') or '(default)'}" for m in runs + ([scaling] if scaling else [])]
+  line = summary(data["rows"], scaling.get("rows", []))
+  text = "\n".join(header + [render(data["rows"], scaling.get("rows", []))] + ([line] if line else []))
+  with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
     fh.write(text + "\n")
-  print(text)
+  return text
 
 
 if __name__ == "__main__":

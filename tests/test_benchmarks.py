@@ -10,14 +10,32 @@ from benchmarks import moe_layer
 @pytest.fixture(scope="module")
 def rows():
   return [moe_layer.run_one(v, "tiny", 64, iters=1)
-          for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16")]
+          for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16",
+                    "ring_nocomm")]
 
 
 def test_moe_layer_rows_measure_every_variant(rows):
   for row in rows:
     assert "error" not in row, row
     assert row["latency_ms"] > 0 and row["temp_bytes"] > 0
-  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8]
+  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8]
+
+
+def test_nocomm_ring_is_the_ring_without_sends():
+  ring, _, _ = moe_layer.compile_variant("ring_expert", "tiny", 64)
+  nocomm, _, _ = moe_layer.compile_variant("ring_nocomm", "tiny", 64)
+  assert "collective-permute" in ring.as_text()
+  assert "collective-permute" not in nocomm.as_text()
+  assert ring.as_text().count(" dot(") == nocomm.as_text().count(" dot(") > 0  # the same compute
+
+
+def test_variants_compile_together_and_measure_in_turn():
+  jobs = [("tiny", "ring_expert", 64), ("tiny", "a2a_cf1", 64), ("tiny", "no_such_variant", 64)]
+  rows = list(moe_layer.run_isolated(jobs, iters=1, parallel=2))
+  assert [(r["shape"], r["variant"], r["tokens_per_gpu"]) for r in rows] == jobs
+  for row in rows[:2]:
+    assert row["latency_ms"] > 0 and row["compile_s"] > 0 and row["gpus"] == 8, row
+  assert "no_such_variant" in rows[2]["error"], rows[2]
 
 
 def test_variant_names_a_chunk_ladder():
