@@ -21,12 +21,14 @@ def test_moe_layer_rows_measure_every_variant(rows):
   assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8]
 
 
-def test_nocomm_ring_is_the_ring_without_sends():
-  ring, _, _ = moe_layer.compile_variant("ring_expert", "tiny", 64)
-  nocomm, _, _ = moe_layer.compile_variant("ring_nocomm", "tiny", 64)
-  assert "collective-permute" in ring.as_text()
-  assert "collective-permute" not in nocomm.as_text()
-  assert ring.as_text().count(" dot(") == nocomm.as_text().count(" dot(") > 0  # the same compute
+def test_overlap_bounds_split_the_ring_in_two():
+  """ring_nocomm has the ring's matmuls and no send; transfer has exactly the ring's sends (compiled HLO)."""
+  sends = lambda text: sorted(re.findall(r"= (\S+) collective-permute\(", text))  # noqa: E731
+  ring, nocomm, transfer = (moe_layer.compile_variant(v, "tiny", 64)[0].as_text()
+                            for v in ("ring_expert", "ring_nocomm", moe_layer.TRANSFER))
+  assert sends(ring) and sends(ring) == sends(transfer)
+  assert not sends(nocomm)
+  assert ring.count(" dot(") == nocomm.count(" dot(") > 0
 
 
 def test_variants_compile_together_and_measure_in_turn():
