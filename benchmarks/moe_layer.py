@@ -372,7 +372,10 @@ def plot(path):
       pts = sorted((r["tokens_per_gpu"], r[key] * scale[key]) for r in rows if r["variant"] == variant)
       note = f" (OOM at {', '.join(oom[variant])})" if variant in oom else ""
       axes[i].plot(*zip(*pts), "o-", label=variant + note, color=colors[variant])
-    axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer, fwd+bwd: {what}")
+    axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer, fwd+bwd: {what}",
+                xscale="log")
+    axes[i].set_xticks(tokens, [f"{t // 1024}K" for t in tokens])
+    axes[i].minorticks_off()
     axes[i].legend(fontsize=8)
   scaling = (data.get("ep_scaling") or {}).get("rows", [])
   for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
@@ -456,15 +459,16 @@ def machine():
 
 
 def merge(paths, out):
-  """One results file from several runs (e.g. one per device call): rows in order, a later run's row replacing an
-  earlier one of the same shape, variant and token count; the last EP-scaling found."""
+  """One results file from several runs (e.g. one per device call): rows by shape and token count, a later run's
+  row replacing an earlier one of the same shape, variant and token count; the last EP-scaling found."""
   rows, runs, scaling = {}, [], {}
   for path in paths:
     data = json.load(open(path))
     runs.append(data["meta"])
     rows.update({(r["shape"], r["variant"], r["tokens_per_gpu"]): r for r in data["rows"]})
     scaling = data.get("ep_scaling") or scaling
-  merged = dict(meta=dict(runs=runs), rows=list(rows.values()), ep_scaling=scaling)
+  ordered = sorted(rows.values(), key=lambda r: (r["shape"] != SUMMARY_SHAPE, r["shape"], r["tokens_per_gpu"]))
+  merged = dict(meta=dict(runs=runs), rows=ordered, ep_scaling=scaling)
   with open(out, "w") as fh:
     json.dump(merged, fh, indent=1)
   print(write_table(merged, out))
