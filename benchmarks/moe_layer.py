@@ -1,19 +1,23 @@
 """One MoE layer, fwd+bwd, bf16, on the GPUs of one host: the rings against all-to-all (dropless and capacity 1.0).
 
-    python -m benchmarks.moe_layer [--shape qwen3_30b] [--tokens 16384,32768,65536] [--variants ...]
+    python -m benchmarks.moe_layer [--shape qwen3_30b|grid|CONFIG,...] [--tokens 16384,32768,65536]
+                                   [--variants ...] [--parallel N]
     python -m benchmarks.moe_layer --ep-scaling          # compile-only memory at EP 8–64 on emulated CPU devices
+    python -m benchmarks.moe_layer --merge A.json B.json --out C.json   # one table from several runs
     python -m benchmarks.moe_layer --plot FILE.json      # PNG plots from a results file
 
 Every variant runs in its own process (so allocator peaks do not mix) over all local GPUs as one expert ring, on
 the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend. Reported:
-median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, useful TFLOP/s per GPU (model
-FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the overlap measure:
-`ring_nocomm` (the ring's own hops, chunks and kernels with every send replaced by keeping the local payload: its
-compute alone) and `transfer` (the ring's transfers alone); hop_overlap = ring latency / max of the two.
-`compute_floor` is the ring of one: all experts on one GPU, no transfers.
+median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, compile time, useful TFLOP/s
+per GPU (model FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the
+overlap measure: `ring_nocomm` (the ring's own hops, chunks and kernels with every send replaced by keeping the
+local payload: its compute alone) and `transfer` (the ring's transfers alone); hop_overlap = ring latency / max
+of the two. `compute_floor` is the ring of one: all experts on one GPU, no transfers. A variant `NAME@R1/R2` runs
+NAME with the chunk-size ladder (R1, R2).
 Up to --parallel variant processes compile at once (compilation is CPU work, most of a process's minute); they
-then measure one at a time while the others wait, so no measurement shares the GPU with anything. A variant `NAME@R1/R2` runs NAME with the chunk-size ladder (R1, R2).
-Writes JSON under benchmarks/results/.
+then measure one at a time while the others wait, so no measurement shares the GPU with anything. A batch
+measures only once all of it has compiled: keep slow compiles (E384) out of a batch of fast ones.
+Writes JSON (after every row) and a table under benchmarks/results/.
 """
 
 import argparse
