@@ -60,6 +60,7 @@ VARIANTS = {
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
     "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
+    "ring_expert_reverse": ("ring_expert", {"reverse_backward": True}),
 }
 TRANSFER = "transfer"  # the ring's fwd+bwd transfers alone (weights; weights + gradients), no compute
 
@@ -83,9 +84,9 @@ def _transfer_step(jax, jnp, rm, mesh):
 
   def per_device(w_gate, w_up, w_down):
     own = (fuse_gate_up(w_gate, w_up), w_down)
-    touch = lambda state, h, payload: state + corner(payload)  # noqa: E731
-    state = ring_pass(touch, jnp.zeros((), jnp.float32), own, axis=rm.EXPERT, n=n)
-    partial = lambda state, h, payload: (touch(state, h, payload),  # noqa: E731
+    touch = lambda state, _, payload: state + corner(payload)  # noqa: E731
+    state, _ = ring_pass(touch, jnp.zeros((), jnp.float32), own, axis=rm.EXPERT, n=n)
+    partial = lambda state, p, payload: (touch(state, p, payload),  # noqa: E731
                                          tuple(0.5 * p.astype(jnp.float32) for p in payload))
     state, acc = ring_relay(partial, state, own, axis=rm.EXPERT, n=n,
                             to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a))

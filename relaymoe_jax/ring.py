@@ -32,53 +32,71 @@ def partition_at_hop(r, h, n):
 
 
 def ring_pass(compute, state, payload, *, axis, n):
-  """state = compute(state, h, payload) for h = 0 … N−1, the payload sent on before each hop's compute."""
+  """state = compute(state, partition, payload) for hops h = 0 … N−1 (partition (r − h) mod N), the payload sent
+  on before each hop's compute. Returns (state, the payload of the last hop: device r + 1's)."""
+  r = jax.lax.axis_index(axis)
 
   def body(h, carry):
     payload, state = carry
     incoming = jax.lax.ppermute(payload, axis, ring_perm(n))  # prefetch for hop h + 1
-    return incoming, compute(state, h, payload)
+    return incoming, compute(state, partition_at_hop(r, h, n), payload)
 
   payload, state = jax.lax.fori_loop(0, n - 1, body, (payload, state))
-  return compute(state, n - 1, payload)
+  return compute(state, partition_at_hop(r, n - 1, n), payload), payload
 
 
-def ring_relay(compute, state, payload, *, axis, n, to_relay):
-  """Runs (state, partial) = compute(state, h, payload) at every hop and relays the partials.
+def ring_relay(compute, state, payload, *, axis, n, to_relay, home=None):
+  """Runs (state, partial) = compute(state, partition, payload) at every hop and relays the partials.
 
   Args:
     compute: returns the new local state and this hop's float32 partial for the payload's partition.
     to_relay: casts a float32 partial to the accumulator's travelling form (e.g. the weights' dtype).
+    home: None: `payload` is this device's own and travels r → r + 1 (partition (r − h) mod N at hop h); the last
+      hop's accumulator is sent home: N − 1 payload sends, N accumulator sends. Else `payload` is device r + 1's
+      (what `ring_pass` holds after its last hop) and travels r → r − 1 (partition (r + 1 + h) mod N), so the last
+      hop is on `home` (this device's own payload, already here) and its accumulator is merged in place:
+      N − 2 payload sends, N − 1 accumulator sends, and none after the last hop.
 
   Returns:
     (state, accumulator of this device's own partition, summed over all N devices).
   """
-  perm = ring_perm(n)
+  r = jax.lax.axis_index(axis)
+  if home is None:
+    perm, partition = ring_perm(n), lambda h: partition_at_hop(r, h, n)
+  else:
+    perm, partition = ring_perm(n, -1), lambda h: (r + 1 + h) % n
 
   def merge(acc_in, partial):
     return to_relay(jax.tree.map(lambda a, p: a.astype(jnp.float32) + p, acc_in, partial))
 
-  if n == 1:
-    state, partial = compute(state, 0, payload)
-    return state, to_relay(partial)
-  incoming = jax.lax.ppermute(payload, axis, perm)  # hop 0: payload only
-  state, partial = compute(state, 0, payload)
-  # The payload must have arrived before the accumulator's send starts. Left free, XLA scheduled this prefetch
-  # after hop 0's compute, next to that send, and hop 1 waited for it (2×H200 trace, docs/overlap.md).
-  incoming, partial = jax.lax.optimization_barrier((incoming, partial))
-
   def body(h, carry):
     payload, acc_prev, state = carry
     incoming, acc_in = jax.lax.ppermute((payload, acc_prev), axis, perm)
-    state, partial = compute(state, h, payload)
+    state, partial = compute(state, partition(h), payload)
     return incoming, merge(acc_in, partial), state
 
+  if n == 1:
+    state, partial = compute(state, partition(0), payload)
+    return state, to_relay(partial)
+  # Payload sends: for hops 1 … N−1, or with `home` for hops 1 … N−2 (the last hop's payload is already here).
+  last_sent = n - 1 if home is None else n - 2
+  incoming = jax.lax.ppermute(payload, axis, perm) if last_sent >= 1 else home  # hop 0's prefetch
+  state, partial = compute(state, partition(0), payload)
+  # The payload must have arrived before the accumulator's send starts. Left free, XLA scheduled this prefetch
+  # after hop 0's compute, next to that send, and hop 1 waited for it (2×H200 trace, docs/overlap.md).
+  incoming, partial = jax.lax.optimization_barrier((incoming, partial))
   carry = (incoming, to_relay(partial), state)
-  if n > 2:  # (not traced for a ring of two: each trace of `compute` is compiled again, grouped kernels and all)
-    carry = jax.lax.fori_loop(1, n - 1, body, carry)
+  if last_sent > 1:  # (not traced when empty: each trace of `compute` is compiled again, grouped kernels and all)
+    carry = jax.lax.fori_loop(1, last_sent, body, carry)
   payload, acc, state = carry
+  if home is not None and n > 2:  # hop N−2: only the accumulator moves; the next payload is `home`
+    acc_in = jax.lax.ppermute(acc, axis, perm)
+    state, partial = compute(state, partition(n - 2), payload)
+    payload, acc = home, merge(acc_in, partial)
   acc_in = jax.lax.ppermute(acc, axis, perm)  # hop N−1: accumulator only
-  state, partial = compute(state, n - 1, payload)
+  state, partial = compute(state, partition(n - 1), payload)
+  if home is not None:
+    return state, merge(acc_in, partial)
   return state, jax.lax.ppermute(merge(acc_in, partial), axis, perm)  # home
 
 
@@ -92,6 +110,7 @@ class RingSpec:
   chunk_rows: tuple[int, ...]  # the chunk-size ladder of a hop (see `hop.for_each_chunk`)
   backend: str
   static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
+  reverse_backward: bool = False  # ring_expert: the backward starts from the forward's last payload (`ring_relay`)
 
   @property
   def experts_per_device(self):
@@ -142,7 +161,8 @@ def _check_ladder(chunk_rows):
   return chunk_ladder(ladder[0]) if isinstance(chunk_rows, int) else ladder
 
 
-def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True):
+def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True,
+                   reverse_backward=False):
   backend = resolve_backend(backend)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
@@ -155,7 +175,7 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
     ladder = ladder[:1]
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])
   return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=ladder, backend=backend,
-                  static_chunks=static_chunks)
+                  static_chunks=static_chunks, reverse_backward=reverse_backward)
 
 
 def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
@@ -171,30 +191,32 @@ def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
 
 
 @functools.lru_cache(maxsize=128)
-def ring_vjp(spec, forward_device, backward_device):
+def ring_vjp(spec, forward_device, backward_device, kept_specs=()):
   """The global function of a ring dispatcher (cached, one per spec): a `jax.custom_vjp` whose forward and
   backward are each one `shard_map` of a per-device function.
 
-  forward_device(x, idx, w_TK, w_gate, w_up, w_down) -> (y, order_P, counts_E): the pair plan is the only
-  residual besides the inputs. backward_device(x, w_TK, w_gate, w_up, w_down, order_P, counts_E, dy) ->
-  (dx, dw_TK, dw_gate, dw_up, dw_down).
+  forward_device(x, idx, w_TK, w_gate, w_up, w_down) -> (y, order_P, counts_E, *kept): the pair plan (and any
+  per-device arrays `kept`, with specs `kept_specs`) are the only residuals besides the inputs.
+  backward_device(x, w_TK, w_gate, w_up, w_down, order_P, counts_E, *kept, dy) -> (dx, dw_TK, dw_gate, dw_up,
+  dw_down).
   """
   layout = spec.layout
   tok, experts = layout.token_spec, layout.expert_specs
   forward = layout.shard_map(functools.partial(forward_device, spec=spec), in_specs=(tok, tok, tok, *experts),
-                             out_specs=(tok, tok, tok))
+                             out_specs=(tok, tok, tok, *kept_specs))
   if spec.static_chunks is not None:
     return lambda *args: forward(*args)[0]
   backward = layout.shard_map(functools.partial(backward_device, spec=spec),
-                              in_specs=(tok, tok, *experts, tok, tok, tok), out_specs=(tok, tok, *experts))
+                              in_specs=(tok, tok, *experts, tok, tok, *kept_specs, tok),
+                              out_specs=(tok, tok, *experts))
 
   @jax.custom_vjp
   def ring(x_TD, idx_TK, w_TK, w_gate, w_up, w_down):
     return forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)[0]
 
   def ring_fwd(x_TD, idx_TK, w_TK, w_gate, w_up, w_down):
-    y_TD, order_P, counts_E = forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)
-    return y_TD, (x_TD, w_TK, w_gate, w_up, w_down, order_P, counts_E)
+    y_TD, *plan_and_kept = forward(x_TD, idx_TK, w_TK, w_gate, w_up, w_down)
+    return y_TD, (x_TD, w_TK, w_gate, w_up, w_down, *plan_and_kept)
 
   def ring_bwd(residuals, dy_TD):
     dx, dw_TK, dw_gate, dw_up, dw_down = backward(*residuals, layout.place(dy_TD, tok))

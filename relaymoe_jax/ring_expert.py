@@ -8,6 +8,8 @@ Communication, over a ring of N devices along the expert axis (device r sends to
             a last gradient-only send returns it to the owner: N − 1 weight sends, N gradient sends (in the
             weights' dtype). dx and d(router weight) stay local. Weight gradients are then summed over the
             data-parallel token axes; under expert tensor parallelism outputs and dx are summed over the tensor axis.
+            With `reverse_backward` the backward runs r → r − 1 from the weights the forward ended with, so its
+            last hop is on the device's own weights: N − 2 weight sends, N − 1 gradient sends, none after the last.
 """
 
 import dataclasses
@@ -19,14 +21,12 @@ from relaymoe_jax.grouped_matmul import fuse_gate_up
 from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range, sorted_pair_weights
-from relaymoe_jax.ring import (backward_outputs, make_ring_spec, partition_at_hop, ring_pass, ring_relay,
-                               ring_vjp)
+from relaymoe_jax.ring import backward_outputs, make_ring_spec, ring_pass, ring_relay, ring_vjp
 
 
-def _visiting_range(spec, counts_E, h):
-  """Pairs of the local tokens whose experts are in the partition visiting at hop h."""
-  r = jax.lax.axis_index(spec.layout.expert_axis)
-  return partition_range(counts_E, partition_at_hop(r, h, spec.layout.ring_size), spec.experts_per_device)
+def _visiting_range(spec, counts_E, partition):
+  """Pairs of the local tokens whose experts are in the visiting partition."""
+  return partition_range(counts_E, partition, spec.experts_per_device)
 
 
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
@@ -34,32 +34,37 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
   plan = make_pair_plan(idx_TK, spec.num_experts)
   tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
 
-  def hop(acc_TD, h, weights):
-    return forward_pairs(tokens, _visiting_range(spec, plan.counts_E, h), weights, acc_TD,
+  def hop(acc_TD, partition, weights):
+    return forward_pairs(tokens, _visiting_range(spec, plan.counts_E, partition), weights, acc_TD,
                          static_chunks=spec.static_chunks, **spec.chunk_options)
 
   acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
   weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
-  acc_TD = ring_pass(hop, acc_TD, weights, axis=layout.expert_axis, n=layout.ring_size)
-  return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E
+  acc_TD, last = ring_pass(hop, acc_TD, weights, axis=layout.expert_axis, n=layout.ring_size)
+  kept = last if spec.reverse_backward else ()
+  return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E, *kept
 
 
-def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, dy_TD, *, spec):
+def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, *kept_and_dy, spec):
+  *kept, dy_TD = kept_and_dy
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
   own = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
 
-  def hop(grads, h, weights):
+  def hop(grads, partition, weights):
     dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
-    return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, h), weights, grads, dW0,
+    return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, partition), weights, grads, dW0,
                           vary_axes=layout.compute_axes, **spec.chunk_options)
 
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)
   to_weight_dtype = lambda dW: tuple(d.astype(w.dtype) for d, w in zip(dW, own))  # noqa: E731
   grads0 = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
-  grads, (dw_gate_up, dw_down) = ring_relay(hop, grads0, own_v, axis=layout.expert_axis, n=layout.ring_size,
-                                            to_relay=to_weight_dtype)
+  # reverse_backward: start from the forward's last payload (device r + 1's weights) and end on our own.
+  start, home = (tuple(vary_like(w, layout.compute_axes) for w in kept), own_v) if spec.reverse_backward else (
+      own_v, None)
+  grads, (dw_gate_up, dw_down) = ring_relay(hop, grads0, start, axis=layout.expert_axis, n=layout.ring_size,
+                                            to_relay=to_weight_dtype, home=home)
   return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
@@ -77,14 +82,21 @@ class RingExpert:
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
       intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
       forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.
+    reverse_backward: the backward runs the ring the other way, starting from the weights the forward ended with
+      (device r + 1's, kept from the forward: one more partition of weights held between forward and backward)
+      and ending on the device's own: no weight send before its first hop and no gradient send after its last
+      (N − 2 weight sends and N − 1 gradient sends instead of N − 1 and N), so no transfer is left exposed at
+      the end of the layer's backward.
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
   backend: str = "auto"
   recompute: bool = True
+  reverse_backward: bool = False
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
-                          recompute=self.recompute)
-    ring = ring_vjp(spec, _forward_device, _backward_device)
+                          recompute=self.recompute, reverse_backward=self.reverse_backward)
+    kept_specs = (layout.expert_specs[0], layout.expert_specs[2]) if self.reverse_backward else ()
+    ring = ring_vjp(spec, _forward_device, _backward_device, kept_specs)
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

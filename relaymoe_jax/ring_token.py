@@ -49,7 +49,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
   plan = make_pair_plan(idx_TK, spec.num_experts)
   weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
 
-  def hop(state, h, visiting):
+  def hop(state, _partition, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
     partial = forward_pairs(visiting.tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
                             static_chunks=spec.static_chunks, **spec.chunk_options)
@@ -65,7 +65,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   weights = tuple(vary_like(w, layout.compute_axes) for w in (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD))
 
-  def hop(dW, h, visiting):
+  def hop(dW, _partition, visiting):
     grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
     grads, dW = backward_pairs(visiting.tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
                                grads, dW, vary_axes=layout.compute_axes, **spec.chunk_options)

@@ -92,6 +92,31 @@ def test_ring_without_recompute_matches_oracle():
                         chunk_rows=8)
 
 
+@pytest.mark.parametrize("shape, names, e, k, skew", [
+    ((1,), E_ONLY, 8, 2, False), ((2,), E_ONLY, 16, 8, True), ((3,), E_ONLY, 6, 2, True), ((3,), E_ONLY, 12, 4, False),
+    ((8,), E_ONLY, 16, 8, False), ((2, 4), DATA_EXPERT, 16, 2, True)])
+def test_reverse_backward_matches_oracle(shape, names, e, k, skew):
+  """The expert ring's backward run the other way from the forward's last weights: the same gradients."""
+  layer = random_layer(sum(shape) + e, 48, D_MODEL, D_FF, e, k, skew=skew)
+  assert_matches_oracle(layer, mesh_of(shape, names), F32_RTOL, "ring_expert", reverse_backward=True)
+
+
+def test_reverse_backward_sends_no_weights_on_a_ring_of_two():
+  """Ring of two: the default compiles to three sends of (gate+up, down)-sized pairs (forward weights, backward
+  gradient relay and home return; XLA merges the backward's weight prefetch into the forward's), the reverse
+  backward to two (forward weights, one gradient send)."""
+  layer = random_layer(5, 32, D_MODEL, D_FF, 8, 2)
+  mesh = mesh_of((2,), E_ONLY)
+
+  def sends(**options):
+    loss = lambda *a: jnp.sum(rm.moe_ffn(a[0], layer["idx_TK"], *a[1:], mesh=mesh, dispatcher="ring_expert",  # noqa: E731
+                                         **options) ** 2)
+    step = jax.jit(jax.grad(loss, argnums=range(5)))
+    return step.lower(*(layer[a] for a in DIFF_ARGS)).compile().as_text().count("collective-permute(")
+
+  assert (sends(), sends(reverse_backward=True)) == (6, 4)
+
+
 def _capacity_kept_weights(layer, ring_size, token_shards, capacity_factor):
   """w_TK with the pairs a capacity-bound all-to-all drops set to zero: per device, pairs sorted by expert (stable),
   and each destination keeps its first C = ceil(c·T·K/N) pairs."""
