@@ -1,13 +1,14 @@
 """One MoE layer, fwd+bwd, bf16, on the GPUs of one host: the rings against all-to-all (dropless and capacity 1.0).
 
-    python -m benchmarks.moe_layer [--shape qwen3_30b|grid|CONFIG,...] [--tokens 16384,32768,65536]
+    python -m benchmarks.moe_layer [--shape qwen3_30b|grid|CONFIG|'CONFIG*L',...] [--tokens 16384,32768,65536]
                                    [--variants ...] [--parallel N]
     python -m benchmarks.moe_layer --ep-scaling          # compile-only memory at EP 8–64 on emulated CPU devices
     python -m benchmarks.moe_layer --merge A.json B.json --out C.json   # one table from several runs
     python -m benchmarks.moe_layer --plot FILE.json      # PNG plots from a results file
 
 Every variant runs in its own process (so allocator peaks do not mix) over all local GPUs as one expert ring, on
-the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend. Reported:
+the same inputs (tokens, a softmax router's top-k, SwiGLU experts) and the same grouped-matmul backend; a shape
+`CONFIG*L` runs L such layers in sequence (own experts, shared routing, residual between them). Reported:
 median fwd+bwd latency, peak device memory (`memory_stats`), compiled temporaries, compile time, useful TFLOP/s
 per GPU (model FLOPs of the experts, no recompute) and ratios against each all-to-all. Two more rows give the
 overlap measure: `ring_nocomm` (the ring's own hops, chunks and kernels with every send replaced by keeping the
@@ -38,10 +39,21 @@ SUMMARY_SHAPE, SUMMARY_TOKENS = "qwen3_30b", 65536
 
 
 def layer_shape(name):
-  """(D, F, E, K) of one MoE layer of a model config (`qwen3_30b`, `grid-e64-k8-f768`, `tiny`, …)."""
+  """(D, F, E, K) of one MoE layer of a model config (`qwen3_30b`, `grid-e64-k8-f768`, `tiny`, …; `NAME*L`: L
+  such layers)."""
   from models.qwen3 import load_config  # noqa: PLC0415
+  name = name.partition("*")[0]
   c = load_config(MODEL_OF_SHAPE.get(name, name))
   return c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok
+
+
+def stack_depth(name):
+  """L of a shape `NAME*L`: L MoE layers in sequence, each with its own experts and the residual between them
+  (so one layer's weight-gradient send can overlap the backward of the layer below it); 1 for `NAME`."""
+  depth = name.partition("*")[2]
+  if depth and not (depth.isdigit() and int(depth) >= 1):
+    raise ValueError(f"shape {name!r}: the layer count after '*' must be a positive integer")
+  return int(depth or 1)
 
 
 def shape_names(arg):
@@ -50,8 +62,10 @@ def shape_names(arg):
   grid = sorted(p.stem for p in (CONFIG_DIR / "models").glob("grid-*.yaml"))
   names = [n for part in arg.split(",") for n in (grid if part == GRID else [part])]
   for name in names:
-    layer_shape(name)  # an unknown name fails here, listing the known ones
+    layer_shape(name), stack_depth(name)  # an unknown name fails here, listing the known ones
   return names
+
+
 VARIANTS = {
     "ring_expert": ("ring_expert", {}),
     "ring_token": ("ring_token", {}),
@@ -72,7 +86,7 @@ def variant_options(variant):
   return dispatcher, dict(options, chunk_rows=tuple(map(int, ladder.split("/")))) if ladder else options
 
 
-def _transfer_step(jax, jnp, rm, mesh):
+def _transfer_step(jax, jnp, rm, mesh, layers):
   """A jitted step that moves exactly what ring_expert moves (forward `ring_pass` of the fused weights, backward
   `ring_relay` of weights and their gradients), with only a trivial add per hop. Every array of a payload and of
   an accumulator is read at the end and a hop's partial is a scaled copy, so XLA can drop no send: reading only
@@ -82,18 +96,24 @@ def _transfer_step(jax, jnp, rm, mesh):
   n = mesh.shape[rm.EXPERT]
   corner = lambda arrays: sum(a[0, 0, 0].astype(jnp.float32) for a in arrays)  # noqa: E731
 
-  def per_device(w_gate, w_up, w_down):
-    own = (fuse_gate_up(w_gate, w_up), w_down)
-    touch = lambda state, _, payload: state + corner(payload)  # noqa: E731
-    state, _ = ring_pass(touch, jnp.zeros((), jnp.float32), own, axis=rm.EXPERT, n=n)
-    partial = lambda state, p, payload: (touch(state, p, payload),  # noqa: E731
-                                         tuple(0.5 * p.astype(jnp.float32) for p in payload))
-    state, acc = ring_relay(partial, state, own, axis=rm.EXPERT, n=n,
-                            to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a))
-    return (state + corner(acc))[None]
+  touch = lambda state, _, payload: state + corner(payload)  # noqa: E731
+  partial = lambda state, p, payload: (touch(state, p, payload),  # noqa: E731
+                                       tuple(0.5 * p.astype(jnp.float32) for p in payload))
+
+  def per_device(*weights):
+    state = jnp.zeros((), jnp.float32)
+    for layer in range(layers):
+      w_gate, w_up, w_down = weights[3 * layer:3 * layer + 3]
+      own = (fuse_gate_up(w_gate, w_up), w_down)
+      state, _ = ring_pass(touch, state, own, axis=rm.EXPERT, n=n)
+      state, acc = ring_relay(partial, state, own, axis=rm.EXPERT, n=n,
+                              to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a))  # noqa: B023
+      state = state + corner(acc)
+    return state[None]
 
   spec = jax.sharding.PartitionSpec(rm.EXPERT)
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 3 * layers, out_specs=spec,
+                               check_vma=False))
 
 
 def expert_flops(tokens, d, f, k):
@@ -113,26 +133,31 @@ def _inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu):
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   d, f, e, k = layer_shape(shape)
   t = tokens_per_gpu * mesh.size
-  keys = jax.random.split(jax.random.key(0), 5)
+  keys = jax.random.split(jax.random.key(0), 2 + 3 * stack_depth(shape))
   sharded = NamedSharding(mesh, P(rm.EXPERT))
   bf16 = jnp.bfloat16
   x = jax.device_put(jax.random.normal(keys[0], (t, d), bf16), sharded)
   router = jax.random.normal(keys[1], (d, e), bf16) * 0.02
   idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
   weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), sharded)
-             for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))]
+             for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)) * stack_depth(shape))]
   return x, idx, w, weights
 
 
-def _step(jax, jnp, rm, mesh, variant):
-  """The jitted fwd+bwd step of one variant, taking (x, router weights, w_gate, w_up, w_down, expert indices)."""
+def _step(jax, jnp, rm, mesh, variant, layers):
+  """The jitted fwd+bwd step of one variant, taking (x, router weights, (w_gate, w_up, w_down) per layer, expert
+  indices); the layers share the routing and chain through the residual, h ← h + y."""
   dispatcher, options = variant_options(variant)
 
-  def loss(x, w, wg, wu, wd, idx):
-    y = rm.moe_ffn(x, idx, w, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, **options)
+  def loss(x, w, *weights_and_idx):
+    *weights, idx = weights_and_idx
+    h = x
+    for layer in range(layers):
+      y = rm.moe_ffn(h, idx, w, *weights[3 * layer:3 * layer + 3], mesh=mesh, dispatcher=dispatcher, **options)
+      h = h + y
     return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(2 + 3 * layers))))
 
 
 def compile_variant(variant, shape, tokens_per_gpu):
@@ -147,10 +172,11 @@ def compile_variant(variant, shape, tokens_per_gpu):
 
   devices = jax.devices()[:1] if variant.startswith("compute_floor") else jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
+  layers = stack_depth(shape)
   if variant == TRANSFER:
-    step, pick = _transfer_step(jax, jnp, rm, mesh), lambda x, idx, w, weights: tuple(weights)
+    step, pick = _transfer_step(jax, jnp, rm, mesh, layers), lambda x, idx, w, weights: tuple(weights)
   else:
-    step, pick = _step(jax, jnp, rm, mesh, variant), lambda x, idx, w, weights: (x, w, *weights, idx)
+    step, pick = _step(jax, jnp, rm, mesh, variant, layers), lambda x, idx, w, weights: (x, w, *weights, idx)
   make_args = lambda: pick(*_inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu))  # noqa: E731
   no_sends = unittest.mock.patch("jax.lax.ppermute", _keep_local) if variant.startswith("ring_nocomm") else \
       contextlib.nullcontext()
@@ -188,7 +214,7 @@ def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_ho
   stats = [dev.memory_stats() or {} for dev in devices]
   row["peak_bytes"] = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
   d, f, _, k = layer_shape(shape)
-  useful = 0 if variant in (TRANSFER, "ring_nocomm") else expert_flops(tokens_per_gpu, d, f, k)
+  useful = 0 if variant in (TRANSFER, "ring_nocomm") else stack_depth(shape) * expert_flops(tokens_per_gpu, d, f, k)
   row["useful_tflops_per_gpu"] = useful / (row["latency_ms"] / 1e3) / 1e12
   if profile_dir:
     row["kernels"] = _profile(jax, compiled, args, os.path.join(profile_dir, variant.replace("/", "_")))
@@ -291,7 +317,8 @@ def _profiled(row):
 
 
 def overlap(rows, ring):
-  """(ring latency / max(its compute alone, its transfers alone), compute : transfer) for a ring_expert row, or None.
+  """(ring latency / max(its compute alone, its transfers alone), compute : transfer) for a ring_expert row (or
+  ring_expert_reverse, against the default schedule's transfers), or None.
 
   Compute alone is `ring_nocomm` at the same point (else the ring of one, `compute_floor`); the transfers do not
   depend on the token count, so any `transfer` row of the shape serves. 1.0 is perfect overlap."""
@@ -319,7 +346,7 @@ def render(rows, scaling):
       b = by.get((r["shape"], r["tokens_per_gpu"], base))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
     ratios = ratios or ["—", "—"]
-    ov = overlap(rows, r) if r["variant"] == "ring_expert" else None
+    ov = overlap(rows, r) if r["variant"] in ("ring_expert", "ring_expert_reverse") else None
     ov = f"{ov[0]:.2f} ({ov[1]:.1f}:1)" if ov else "—"
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
@@ -400,7 +427,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--one", help=argparse.SUPPRESS)
   parser.add_argument("--shape", default=SUMMARY_SHAPE,
-                      help=f"comma list of model configs; `{GRID}`: the paper's grid (every grid-* config)")
+                      help=f"comma list of model configs (`NAME*L`: L layers of NAME); `{GRID}`: the paper's grid")
   parser.add_argument("--tokens", default="16384,32768,65536")
   parser.add_argument("--variants", default=",".join([*VARIANTS, TRANSFER]))
   parser.add_argument("--iters", type=int, default=5)

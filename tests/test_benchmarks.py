@@ -31,6 +31,15 @@ def test_overlap_bounds_split_the_ring_in_two():
   assert ring.count(" dot(") == nocomm.count(" dot(") > 0
 
 
+def test_a_stack_of_layers_runs_each_layer():
+  sends = lambda shape: moe_layer.compile_variant("ring_expert", shape, 64)[0].as_text().count(  # noqa: E731
+      "collective-permute(")
+  assert sends("tiny*2") == 2 * sends("tiny") > 0
+  assert moe_layer.stack_depth("tiny*3") == 3 and moe_layer.stack_depth("tiny") == 1
+  with pytest.raises(ValueError, match="positive integer"):
+    moe_layer.stack_depth("tiny*0")
+
+
 def test_variants_compile_together_and_measure_in_turn():
   jobs = [("tiny", "ring_expert", 64), ("tiny", "a2a_cf1", 64), ("tiny", "no_such_variant", 64)]
   rows = list(moe_layer.run_isolated(jobs, iters=1, parallel=2))
