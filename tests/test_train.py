@@ -203,6 +203,16 @@ def test_two_processes_on_cpu_match_one(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+def test_cli_keeps_the_compiled_step_in_its_compilation_cache(tmp_path):
+  cache = tmp_path / "xla-cache"
+  cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--steps", "1", "batch_size=8", "seq_len=16",
+         "tensorboard=false", f"out_dir={tmp_path / 'run'}", f"compilation_cache_dir={cache}"]
+  proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert any(p.name.startswith("jit_train_step") for p in cache.iterdir()), sorted(cache.iterdir())
+
+
 def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
   """orbax writes a step into a temporary folder and renames it when complete; a crash leaves only that folder."""
   config = tiny_run(tmp_path, steps=3)

@@ -52,6 +52,8 @@ def main(argv=None):
   if args.out:
     overrides.append(f"out_dir={args.out}")
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
+  if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
   history = run(config, resume=args.resume)
   if jax.process_index() == 0 and history:
     last = history[-1]

@@ -65,6 +65,9 @@ class RunConfig:
   out_dir: str = "runs/default"
   tensorboard: bool = True
   peak_tflops_per_device: float = 0.0  # for MFU; 0 = from the device kind where known
+  # JAX's persistent compilation cache (set by `relaymoe-train`): a rerun or resume of the same step loads it
+  # instead of compiling again. "" = off.
+  compilation_cache_dir: str = "~/.cache/relaymoe-jax/xla"
 
   def __post_init__(self):
     for name in ("batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints"):
