@@ -60,9 +60,10 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)
   to_weight_dtype = lambda dW: tuple(d.astype(w.dtype) for d, w in zip(dW, own))  # noqa: E731
   grads0 = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
-  # reverse_backward: start from the forward's last payload (device r + 1's weights) and end on our own.
-  start, home = (tuple(vary_like(w, layout.compute_axes) for w in kept), own_v) if spec.reverse_backward else (
-      own_v, None)
+  if spec.reverse_backward:  # start from the forward's last payload (device r + 1's weights), end on our own
+    start, home = tuple(vary_like(w, layout.compute_axes) for w in kept), own_v
+  else:
+    start, home = own_v, None
   grads, (dw_gate_up, dw_down) = ring_relay(hop, grads0, start, axis=layout.expert_axis, n=layout.ring_size,
                                             to_relay=to_weight_dtype, home=home)
   return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)

@@ -162,12 +162,14 @@ def test_full_table_float32_matches_oracle(case, dispatcher):
 ETP_NAMES = (rm.DATA, rm.EXPERT, rm.TENSOR)
 
 
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
+@pytest.mark.parametrize("dispatcher, options", [("ring_expert", {}), ("ring_token", {}), ("all_to_all", {}),
+                                                 ("ring_expert", {"reverse_backward": True})])
 @pytest.mark.parametrize("skew", [False, True])
-def test_expert_tensor_parallel_matches_oracle(dispatcher, skew):
+def test_expert_tensor_parallel_matches_oracle(dispatcher, options, skew):
   """(2 data × 2 expert × 2 tensor): tokens over data and expert, F of every expert split over tensor."""
   layer = random_layer(13, TOKENS, D_MODEL, D_FF, 8, 2, skew=skew)
-  assert_matches_oracle(layer, mesh_of((2, 2, 2), ETP_NAMES), F32_RTOL, dispatcher, tensor_axis=rm.TENSOR)
+  assert_matches_oracle(layer, mesh_of((2, 2, 2), ETP_NAMES), F32_RTOL, dispatcher, tensor_axis=rm.TENSOR,
+                        **options)
 
 
 @pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
