@@ -95,10 +95,9 @@ def _transfer_step(jax, jnp, rm, mesh, layers):
   from relaymoe_jax.ring import ring_pass, ring_relay  # noqa: PLC0415
   n = mesh.shape[rm.EXPERT]
   corner = lambda arrays: sum(a[0, 0, 0].astype(jnp.float32) for a in arrays)  # noqa: E731
-
   touch = lambda state, _, payload: state + corner(payload)  # noqa: E731
-  partial = lambda state, p, payload: (touch(state, p, payload),  # noqa: E731
-                                       tuple(0.5 * p.astype(jnp.float32) for p in payload))
+  partial = lambda state, part, payload: (touch(state, part, payload),  # noqa: E731
+                                          tuple(0.5 * a.astype(jnp.float32) for a in payload))
 
   def per_device(*weights):
     state = jnp.zeros((), jnp.float32)
