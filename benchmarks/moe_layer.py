@@ -75,7 +75,9 @@ VARIANTS = {
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
     "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
     "ring_expert_reverse": ("ring_expert", {"reverse_backward": True}),
+    "ring_expert_home": ("ring_expert", {"reverse_backward": False}),  # backward in forward order, home send last
 }
+RING_SCHEDULES = ("ring_expert", "ring_expert_reverse", "ring_expert_home")
 TRANSFER = "transfer"  # the ring's fwd+bwd transfers alone (weights; weights + gradients), no compute
 
 
@@ -87,13 +89,15 @@ def variant_options(variant):
 
 
 def _transfer_step(jax, jnp, rm, mesh, layers):
-  """A jitted step that moves exactly what ring_expert moves (forward `ring_pass` of the fused weights, backward
-  `ring_relay` of weights and their gradients), with only a trivial add per hop. Every array of a payload and of
-  an accumulator is read at the end and a hop's partial is a scaled copy, so XLA can drop no send: reading only
-  w_down, an earlier version moved a third of the bytes (its compiled HLO had w_down's sends alone)."""
+  """A jitted step that moves exactly what ring_expert moves by default (forward `ring_pass` of the fused weights,
+  backward `ring_relay` of weights and their gradients, reversed where the ring reverses it), with only a trivial
+  add per hop. Every array of a payload and of an accumulator is read at the end and a hop's partial is a scaled
+  copy, so XLA can drop no send: reading only w_down, an earlier version moved a third of the bytes (its compiled
+  HLO had w_down's sends alone)."""
   from relaymoe_jax.grouped_matmul import fuse_gate_up  # noqa: PLC0415
   from relaymoe_jax.ring import ring_pass, ring_relay  # noqa: PLC0415
   n = mesh.shape[rm.EXPERT]
+  reverse = rm.RingExpert().reverses_backward(n)
   corner = lambda arrays: sum(a[0, 0, 0].astype(jnp.float32) for a in arrays)  # noqa: E731
   touch = lambda state, _, payload: state + corner(payload)  # noqa: E731
   partial = lambda state, part, payload: (touch(state, part, payload),  # noqa: E731
@@ -104,9 +108,10 @@ def _transfer_step(jax, jnp, rm, mesh, layers):
     for layer in range(layers):
       w_gate, w_up, w_down = weights[3 * layer:3 * layer + 3]
       own = (fuse_gate_up(w_gate, w_up), w_down)
-      state, _ = ring_pass(touch, state, own, axis=rm.EXPERT, n=n)
-      state, acc = ring_relay(partial, state, own, axis=rm.EXPERT, n=n,
-                              to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a))  # noqa: B023
+      state, last = ring_pass(touch, state, own, axis=rm.EXPERT, n=n)
+      state, acc = ring_relay(partial, state, last if reverse else own, axis=rm.EXPERT, n=n,
+                              to_relay=lambda a: tuple(x.astype(w_down.dtype) for x in a),  # noqa: B023
+                              home=own if reverse else None)
       state = state + corner(acc)
     return state[None]
 
@@ -159,8 +164,22 @@ def _step(jax, jnp, rm, mesh, variant, layers):
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(2 + 3 * layers))))
 
 
-def compile_variant(variant, shape, tokens_per_gpu):
-  """(compiled fwd+bwd step, a function making its arguments afresh, the devices) of one variant."""
+def compiler_options(xla_options=()):
+  """The library's `rm.COMPILER_OPTIONS` with `KEY=VALUE` overrides (true/false and integers parsed)."""
+  import relaymoe_jax as rm  # noqa: PLC0415
+  parse = lambda v: {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)  # noqa: E731
+  overrides = {}
+  for option in xla_options:
+    key, sep, value = option.partition("=")
+    if not sep:
+      raise ValueError(f"--xla-option {option!r}: expected KEY=VALUE")
+    overrides[key] = parse(value)
+  return dict(rm.COMPILER_OPTIONS, **overrides)
+
+
+def compile_variant(variant, shape, tokens_per_gpu, xla_options=()):
+  """(compiled fwd+bwd step, a function making its arguments afresh, the devices) of one variant, compiled with
+  `compiler_options(xla_options)`."""
   import unittest.mock  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
@@ -180,10 +199,10 @@ def compile_variant(variant, shape, tokens_per_gpu):
   no_sends = unittest.mock.patch("jax.lax.ppermute", _keep_local) if variant.startswith("ring_nocomm") else \
       contextlib.nullcontext()
   with no_sends:
-    return step.lower(*make_args()).compile(), make_args, devices
+    return step.lower(*make_args()).compile(compiler_options(xla_options)), make_args, devices
 
 
-def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_hook=None):
+def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_hook=None, xla_options=()):
   """Measures one variant in this process; returns a dict (or the failure). `compiled_hook(row)` runs between
   compiling and measuring, with no input left on the device. With `profile_dir`, then traces PROFILE_STEPS more
   steps there and adds the first device's kernel time by kind (`benchmarks.trace_summary`)."""
@@ -192,7 +211,7 @@ def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_ho
   row = dict(variant=variant, shape=shape, tokens_per_gpu=tokens_per_gpu)
   try:
     start = time.perf_counter()
-    compiled, make_args, devices = compile_variant(variant, shape, tokens_per_gpu)
+    compiled, make_args, devices = compile_variant(variant, shape, tokens_per_gpu, xla_options)
     row.update(gpus=len(devices), device=devices[0].device_kind, compile_s=round(time.perf_counter() - start, 1),
                temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes))
     if compiled_hook:
@@ -233,10 +252,11 @@ def _profile(jax, compiled, args, trace_dir):
 class _Child:
   """One variant in its own process (`--one`): it reports when compiled, then measures when told to."""
 
-  def __init__(self, variant, shape, tokens, iters, profile_dir):
+  def __init__(self, variant, shape, tokens, iters, profile_dir, xla_options):
     self.job = dict(variant=variant, shape=shape, tokens_per_gpu=tokens)
     cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--one", variant, "--shape", shape, "--tokens", str(tokens),
-           "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else [])
+           "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else []) + \
+        [f"--xla-option={option}" for option in xla_options]
     # Without preallocation each process takes only what it uses, so the waiting ones leave the GPU to the one
     # measuring (peak_bytes_in_use counts the allocator's use either way).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -267,11 +287,11 @@ class _Child:
     return self.result
 
 
-def run_isolated(jobs, iters, profile_dir=None, parallel=1):
+def run_isolated(jobs, iters, profile_dir=None, parallel=1, xla_options=()):
   """Yields a row per (shape, variant, tokens): `parallel` processes compile together, then measure one after
   another."""
   for start in range(0, len(jobs), parallel):
-    batch = [_Child(variant, shape, tokens, iters, profile_dir) for shape, variant, tokens in
+    batch = [_Child(variant, shape, tokens, iters, profile_dir, xla_options) for shape, variant, tokens in
              jobs[start:start + parallel]]
     for child in batch:
       child.wait_compiled()
@@ -317,7 +337,7 @@ def _profiled(row):
 
 def overlap(rows, ring):
   """(ring latency / max(its compute alone, its transfers alone), compute : transfer) for a ring_expert row (or
-  ring_expert_reverse, against the default schedule's transfers), or None.
+  one of its schedules, `RING_SCHEDULES`, against the default schedule's transfers), or None.
 
   Compute alone is `ring_nocomm` at the same point (else the ring of one, `compute_floor`); the transfers do not
   depend on the token count, so any `transfer` row of the shape serves. 1.0 is perfect overlap."""
@@ -345,7 +365,7 @@ def render(rows, scaling):
       b = by.get((r["shape"], r["tokens_per_gpu"], base))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
     ratios = ratios or ["—", "—"]
-    ov = overlap(rows, r) if r["variant"] in ("ring_expert", "ring_expert_reverse") else None
+    ov = overlap(rows, r) if r["variant"] in RING_SCHEDULES else None
     ov = f"{ov[0]:.2f} ({ov[1]:.1f}:1)" if ov else "—"
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
@@ -437,11 +457,14 @@ def main(argv=None):
   parser.add_argument("--plot")
   parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine results files into --out")
   parser.add_argument("--profile", metavar="DIR", help="also trace each variant under DIR and report kernel time")
+  parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="compile with this XLA option over rm.COMPILER_OPTIONS (repeatable)")
   parser.add_argument("--out", default=os.path.join(RESULTS, "moe_layer.json"))
   args = parser.parse_args(argv)
+  options = compiler_options(args.xla_option)  # a bad KEY=VALUE fails here, before any process starts
   if args.one:
-    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters, args.profile, _wait_for_turn)),
-          flush=True)
+    print(json.dumps(run_one(args.one, args.shape, int(args.tokens), args.iters, args.profile, _wait_for_turn,
+                             args.xla_option)), flush=True)
     return
   if args.plot:
     plot(args.plot)
@@ -450,7 +473,7 @@ def main(argv=None):
     merge(args.merge, args.out)
     return
   meta = dict(command="python -m benchmarks.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv),
-              **machine())
+              compiler_options=options, **machine())
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   rows, scaling = [], []
 
@@ -463,7 +486,7 @@ def main(argv=None):
     # the transfers do not depend on the token count: measured once per shape, at the first
     jobs = [(s, v, t) for s in shape_names(args.shape) for t in tokens for v in args.variants.split(",")
             if v != TRANSFER or t == tokens[0]]
-    for row in run_isolated(jobs, args.iters, args.profile, args.parallel):
+    for row in run_isolated(jobs, args.iters, args.profile, args.parallel, args.xla_option):
       rows.append(row)
       print(row, flush=True)
       save()
@@ -510,7 +533,8 @@ def write_table(data, out):
   runs = data["meta"].get("runs", [data["meta"]])
   scaling = data.get("ep_scaling") or {}
   header = [f"# {m['command']}\n#   {m.get('machine', '?')}; JAX {m['jax']}, Python {m['python']}; "
-            f"XLA_FLAGS={m.get('xla_flags') or '(default)'}" for m in runs + ([scaling] if scaling else [])]
+            f"XLA_FLAGS={m.get('xla_flags') or '(default)'}; compiler options {m.get('compiler_options', '(none)')}"
+            for m in runs + ([scaling] if scaling else [])]
   line = summary(data["rows"], scaling.get("rows", []))
   text = "\n".join(header + [render(data["rows"], scaling.get("rows", []))] + ([line] if line else []))
   with open(os.path.splitext(out)[0] + ".txt", "w") as fh:

@@ -1,10 +1,11 @@
 """Where a jitted step's device time goes: GPU kernel time by name from a `jax.profiler` Perfetto trace.
 
-    python -m benchmarks.trace_summary TRACE_DIR [--steps N]
+    python -m benchmarks.trace_summary TRACE_DIR [--steps N] [--timeline]
 
 Reads the `perfetto_trace.json.gz` that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes and sums the
 durations of the kernels on the first GPU, per step, grouped by kernel name and by a coarse kind (grouped matmul,
-collective, scatter, gather, other fusion, copy).
+collective, scatter, gather, other fusion, copy); `compute_ms` against the same step without sends shows how much
+the sends slow the compute beside them. `--timeline` lists each collective kernel with the compute that ran beside it.
 """
 
 import argparse
@@ -58,17 +59,44 @@ def kernel_times(path, steps=1, device="GPU:0"):
   by_kind = collections.Counter()
   for name, ms in total.items():
     by_kind[kind_of(name)] += ms / steps
+  compute_ms = sum(ms for name, ms in total.items() if kind_of(name) != "collective")
   return dict(by_name=[(n, round(ms / steps, 3), launches[n] // steps) for n, ms in total.most_common(40)],
               by_kind={k: round(v, 3) for k, v in by_kind.most_common()}, busy_ms=round(sum(total.values()) / steps, 3),
-              exposed_collective_ms=round(exposed / steps, 3))
+              compute_ms=round(compute_ms / steps, 3), exposed_collective_ms=round(exposed / steps, 3))
+
+
+def collective_timeline(path, device="GPU:0"):
+  """[(start ms, duration ms, other kernels' time during it ms, name)] of each collective kernel on `device`, from
+  the first kernel of the trace: where the sends sit in a step and how much compute runs beside each."""
+  events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  pids = {e["pid"] for e in events
+          if e.get("ph") == "M" and e.get("name") == "process_name" and device in e["args"].get("name", "")}
+  kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
+  compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind_of(e["name"]) != "collective"]
+  rows = []
+  for e in kernels:
+    if kind_of(e["name"]) == "collective":
+      start, stop = e["ts"], e["ts"] + e["dur"]
+      beside = _union_ms([(max(a, start), min(b, stop)) for a, b in compute if a < stop and b > start])
+      rows.append((round((start - kernels[0]["ts"]) / 1e3, 3), round(e["dur"] / 1e3, 3), round(beside, 3),
+                   e["name"][:60]))
+  return rows
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("trace_dir")
   parser.add_argument("--steps", type=int, default=1)
+  parser.add_argument("--timeline", action="store_true", help="also list each collective kernel and the compute "
+                      "kernel time beside it")
   args = parser.parse_args()
-  print(json.dumps(kernel_times(find_trace(args.trace_dir), args.steps), indent=1))
+  path = find_trace(args.trace_dir)
+  print(json.dumps(kernel_times(path, args.steps), indent=1))
+  if args.timeline:
+    print("| start ms | collective ms | compute beside it ms | kernel |\n|---|---|---|---|")
+    for row in collective_timeline(path):
+      print("| " + " | ".join(map(str, row)) + " |")
 
 
 if __name__ == "__main__":

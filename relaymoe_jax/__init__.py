@@ -6,11 +6,13 @@ N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-
 
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
     y_TD = moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh, dispatcher="ring_expert")
+    step = jax.jit(loss_and_grads, compiler_options=COMPILER_OPTIONS)  # the rings' sends overlap compute on GPUs
 """
 
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.compiler import COMPILER_OPTIONS
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.moe import DISPATCHERS, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
@@ -20,7 +22,7 @@ from relaymoe_jax.routing import RouterAux, load_balancing_loss, route
 from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
-    "AllToAll", "Auto", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout", "ModeVolume",
+    "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout", "ModeVolume",
     "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "load_balancing_loss",
     "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
 ]

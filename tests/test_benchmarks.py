@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+import relaymoe_jax as rm
 from benchmarks import moe_layer
 
 
@@ -79,6 +80,15 @@ def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
 def test_variant_names_a_chunk_ladder():
   assert moe_layer.variant_options("ring_expert@32768/8192") == ("ring_expert", {"chunk_rows": (32768, 8192)})
   assert moe_layer.variant_options("a2a_cf1") == ("all_to_all", {"capacity_factor": 1.0})
+
+
+def test_xla_options_override_the_librarys():
+  limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
+  assert moe_layer.compiler_options() == rm.COMPILER_OPTIONS
+  options = moe_layer.compiler_options([f"{limit}=1", "xla_gpu_use_memcpy_local_p2p=true"])
+  assert options == {limit: 1, "xla_gpu_use_memcpy_local_p2p": True}
+  with pytest.raises(ValueError, match="no_equals_sign"):
+    moe_layer.compiler_options(["no_equals_sign"])
 
 
 def test_moe_layer_summary_has_every_field(rows):

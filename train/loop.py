@@ -188,7 +188,7 @@ def run(run_config: RunConfig, *, resume=False):
     state, meta = checkpoints.restore(state)
     start = int(meta["next_batch"])
   step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
-                    out_shardings=(state_shardings, NamedSharding(mesh, P())))
+                    out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
   b, s = run_config.batch_size, run_config.seq_len
   if jax.process_index() == 0:
     print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
