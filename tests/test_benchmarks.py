@@ -106,6 +106,23 @@ def test_profile_reports_kernel_time(tmp_path):
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
 
 
+def test_trace_summary_places_collectives_beside_compute(tmp_path):
+  """A send of 2 ms with 0.5 ms of GEMM beside it: 1.5 ms exposed, compute 0.5 + 1 ms."""
+  import gzip  # noqa: PLC0415
+
+  from benchmarks.trace_summary import collective_timeline, kernel_times  # noqa: PLC0415
+  kernel = lambda name, ts, dur: dict(ph="X", pid=1, tid=7, name=name, ts=ts, dur=dur)  # noqa: E731
+  events = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+            kernel("ncclDevKernel_SendRecv", 0, 2000), kernel("body_mosaic_gpu_kernel", 1500, 500),
+            kernel("loop_add_fusion", 3000, 1000)]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as fh:
+    json.dump(events, fh)
+  times = kernel_times(str(path))
+  assert (times["exposed_collective_ms"], times["compute_ms"]) == (1.5, 1.5), times
+  assert collective_timeline(str(path)) == [(0.0, 2.0, 0.5, "ncclDevKernel_SendRecv")]
+
+
 def test_ep8_summary_averages_over_points():
   from benchmarks.ep8_summary import ep8_summary
   rows = [dict(shape=s, tokens_per_gpu=t, variant=v, gpus=8, latency_ms=ms, peak_bytes=mem)
