@@ -86,7 +86,7 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
 
 def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, backend, vary_axes):
   """Recomputes the range's intermediates chunk by chunk and adds the gradients: dx and d(router weight) into
-  `grads`, the weights' gradients (float32) into `dW`.
+  `grads`, the weights' gradients into `dW` (each chunk's added in float32 and kept in dW's dtype).
 
   Rows and weights are first cast to varying over `vary_axes` (every axis the outputs vary over): differentiating
   a chunk with an input invariant over some axis would make JAX psum its cotangent over that axis inside this
@@ -108,6 +108,6 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, back
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)
     grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD, 0.0)),
                       dw_P=jax.lax.dynamic_update_slice_in_dim(grads.dw_P, dw_R, rows.first, 0))
-    return grads, tuple(a + b for a, b in zip(dW, dW_chunk))
+    return grads, tuple((a.astype(jnp.float32) + b).astype(a.dtype) for a, b in zip(dW, dW_chunk))
 
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (grads, dW))

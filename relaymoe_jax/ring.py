@@ -49,7 +49,8 @@ def ring_relay(compute, state, payload, *, axis, n, to_relay, home=None):
   """Runs (state, partial) = compute(state, partition, payload) at every hop and relays the partials.
 
   Args:
-    compute: returns the new local state and this hop's float32 partial for the payload's partition.
+    compute: returns the new local state and this hop's partial for the payload's partition (float32 or the
+      accumulator's travelling dtype; merged with the arriving accumulator in float32).
     to_relay: casts a float32 partial to the accumulator's travelling form (e.g. the weights' dtype).
     home: None: `payload` is this device's own and travels r → r + 1 (partition (r − h) mod N at hop h); the last
       hop's accumulator is sent home: N − 1 payload sends, N accumulator sends. Else `payload` is device r + 1's
