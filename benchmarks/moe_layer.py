@@ -177,9 +177,9 @@ def compiler_options(xla_options=()):
   return dict(rm.COMPILER_OPTIONS, **overrides)
 
 
-def compile_variant(variant, shape, tokens_per_gpu, xla_options=()):
+def compile_variant(variant, shape, tokens_per_gpu, xla_options=(), gpus=None):
   """(compiled fwd+bwd step, a function making its arguments afresh, the devices) of one variant, compiled with
-  `compiler_options(xla_options)`."""
+  `compiler_options(xla_options)`, on the first `gpus` devices (default all)."""
   import unittest.mock  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
@@ -188,7 +188,7 @@ def compile_variant(variant, shape, tokens_per_gpu, xla_options=()):
 
   import relaymoe_jax as rm  # noqa: PLC0415
 
-  devices = jax.devices()[:1] if variant.startswith("compute_floor") else jax.devices()
+  devices = jax.devices()[:1] if variant.startswith("compute_floor") else jax.devices()[:gpus]
   mesh = jax.sharding.Mesh(np.array(devices), (rm.EXPERT,))
   layers = stack_depth(shape)
   if variant == TRANSFER:

@@ -23,10 +23,11 @@ def test_moe_layer_rows_measure_every_variant(rows):
   assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8]
 
 
-def test_overlap_bounds_split_the_ring_in_two():
+@pytest.mark.parametrize("gpus", [2, 8])  # a ring of two reverses its backward, so its transfers differ
+def test_overlap_bounds_split_the_ring_in_two(gpus):
   """ring_nocomm has the ring's matmuls and no send; transfer has exactly the ring's sends (compiled HLO)."""
   sends = lambda text: sorted(re.findall(r"= (\S+) collective-permute\(", text))  # noqa: E731
-  ring, nocomm, transfer = (moe_layer.compile_variant(v, "tiny", 64)[0].as_text()
+  ring, nocomm, transfer = (moe_layer.compile_variant(v, "tiny", 64, gpus=gpus)[0].as_text()
                             for v in ("ring_expert", "ring_nocomm", moe_layer.TRANSFER))
   assert sends(ring) and sends(ring) == sends(transfer)
   assert not sends(nocomm)
