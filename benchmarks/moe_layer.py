@@ -514,12 +514,14 @@ def machine():
 
 def merge(paths, out):
   """One results file from several runs (e.g. one per device call): rows by shape and token count, a later run's
-  row replacing an earlier one of the same shape, variant and token count; the last EP-scaling found."""
+  row replacing an earlier one of the same shape, variant and token count (a `transfer` row, which does not depend
+  on the token count, any earlier one of its shape); the last EP-scaling found."""
   rows, runs, scaling = {}, [], {}
   for path in paths:
     data = json.load(open(path))
     runs.append(data["meta"])
-    rows.update({(r["shape"], r["variant"], r["tokens_per_gpu"]): r for r in data["rows"]})
+    rows.update({(r["shape"], r["variant"], None if r["variant"] == TRANSFER else r["tokens_per_gpu"]): r
+                 for r in data["rows"]})
     scaling = data.get("ep_scaling") or scaling
   ordered = sorted(rows.values(), key=lambda r: (r["shape"] != SUMMARY_SHAPE, r["shape"], r["tokens_per_gpu"]))
   merged = dict(meta=dict(runs=runs), rows=ordered, ep_scaling=scaling)

@@ -62,16 +62,18 @@ def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
                                                 latency_ms=ms, peak_bytes=1, temp_bytes=1, useful_tflops_per_gpu=1.0)
   ep8 = dict(ep=8, num_experts=128, tokens_per_device=2048, ring_expert=1, a2a_dropless=40, a2a_cf1=5,
              ratio_dropless=40.0, ratio_cf1=5.0)
-  first = run("a", [row("qwen3_30b", 65536, "ring_expert", 9.0), row("grid-x", 8, "ring_expert", 1.0)],
+  first = run("a", [row("qwen3_30b", 65536, "ring_expert", 9.0), row("grid-x", 8, "ring_expert", 1.0),
+                    row("qwen3_30b", 65536, moe_layer.TRANSFER, 6.6)],
               dict(command="ep", machine="cpu", jax="j", python="p", rows=[ep8]))
   second = run("b", [row("qwen3_30b", 65536, "ring_expert", 6.0), row("qwen3_30b", 65536, "a2a_cf1", 9.0),
-                     row("qwen3_30b", 8192, "ring_expert", 2.0)])
+                     row("qwen3_30b", 8192, "ring_expert", 2.0), row("qwen3_30b", 8192, moe_layer.TRANSFER, 4.8)])
   out = tmp_path / "merged.json"
   moe_layer.merge([first, second], str(out))
   merged = json.loads(out.read_text())
   assert [(r["shape"], r["tokens_per_gpu"], r["variant"], r["latency_ms"]) for r in merged["rows"]] == [
-      ("qwen3_30b", 8192, "ring_expert", 2.0), ("qwen3_30b", 65536, "ring_expert", 6.0),
-      ("qwen3_30b", 65536, "a2a_cf1", 9.0), ("grid-x", 8, "ring_expert", 1.0)]
+      ("qwen3_30b", 8192, moe_layer.TRANSFER, 4.8), ("qwen3_30b", 8192, "ring_expert", 2.0),
+      ("qwen3_30b", 65536, "ring_expert", 6.0), ("qwen3_30b", 65536, "a2a_cf1", 9.0),
+      ("grid-x", 8, "ring_expert", 1.0)]
   text = (tmp_path / "merged.txt").read_text()
   assert "# a\n" in text and "# b\n" in text and "# ep\n" in text
   assert text.splitlines()[-1].startswith("summary: moe_layer gpus=2 shape=qwen3_30b tokens=65536 ")
