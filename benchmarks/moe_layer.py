@@ -283,8 +283,17 @@ class _Child:
       self.proc.stdin.write("go\n")
       self.proc.stdin.flush()
       self.result = self._message()
-    self.proc.wait()
+    self.close()
     return self.result
+
+  def close(self, wait_s=30):
+    """Waits for the process to exit, killing it after `wait_s`: a step that ran out of memory on one GPU can leave
+    the other GPU's send waiting forever, and then the process never exits (two stalled device calls did this)."""
+    try:
+      self.proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
 
 
 def run_isolated(jobs, iters, profile_dir=None, parallel=1, xla_options=()):

@@ -52,6 +52,18 @@ def test_variants_compile_together_and_measure_in_turn():
   assert "no_such_variant" in rows[2]["error"], rows[2]
 
 
+def test_a_variant_process_that_never_exits_is_killed():
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  child = object.__new__(moe_layer._Child)
+  child.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  child.result = dict(variant="v", error="out of memory")
+  start = time.perf_counter()
+  child.close(wait_s=0.5)
+  assert child.proc.returncode is not None and time.perf_counter() - start < 10
+
+
 def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
   def run(name, rows, scaling=None):
     meta = dict(command=name, machine="m", jax="j", python="p", xla_flags="")
