@@ -167,7 +167,10 @@ def _step(jax, jnp, rm, mesh, variant, layers):
 def compiler_options(xla_options=()):
   """The library's `rm.COMPILER_OPTIONS` with `KEY=VALUE` overrides (true/false and integers parsed)."""
   import relaymoe_jax as rm  # noqa: PLC0415
-  parse = lambda v: {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)  # noqa: E731
+
+  def parse(value):
+    return {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit() else value)
+
   overrides = {}
   for option in xla_options:
     key, sep, value = option.partition("=")

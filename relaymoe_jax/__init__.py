@@ -22,7 +22,7 @@ from relaymoe_jax.routing import RouterAux, load_balancing_loss, route
 from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
-    "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout", "ModeVolume",
-    "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "load_balancing_loss",
+    "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout",
+    "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "load_balancing_loss",
     "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
 ]
