@@ -93,7 +93,7 @@ class RingExpert:
       and ending on the device's own: no weight send before its first hop and no gradient send after its last
       (N − 2 weight sends and N − 1 gradient sends instead of N − 1 and N), so no transfer is left exposed at
       the end of the layer's backward. None (default): on for a ring of two, where XLA keeps the forward's
-      received weights for the backward anyway (so it costs no memory) and it measured 0.7–2.0 ms faster per
+      received weights for the backward anyway (so it costs no memory) and it measured 0.7–1.6 ms faster per
       Qwen3-30B layer on 2×H200 (docs/overlap.md); off for larger rings, where the kept partition is memory
       per MoE layer and the home send can overlap the next layer's backward.
   """
