@@ -1,0 +1,28 @@
+"""The built package, not only the editable checkout, carries what `relaymoe-train` reads: every model and run
+config, beside `models/` where `models.config` looks for them."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from models.config import CONFIG_DIR
+
+
+@pytest.mark.slow  # builds a wheel with pip (build isolation fetches setuptools from the package index)
+def test_wheel_ships_every_config(tmp_path):
+  repo, source = CONFIG_DIR.parent, tmp_path / "source"  # a copy: no build/ of an earlier build supplies files
+
+  def skip(folder, names):  # the checkout's outputs and environments, not the package
+    top = {"build", "runs"} if folder == str(repo) else set()
+    return {n for n in names if n in top or n.startswith(".") or n == "__pycache__" or n.endswith(".egg-info")}
+
+  shutil.copytree(repo, source, ignore=skip)
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(source)],
+                 check=True)
+  names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
+  configs = {f"configs/{p.relative_to(CONFIG_DIR).as_posix()}" for p in CONFIG_DIR.rglob("*.yaml")}
+  assert configs and configs <= names, sorted(configs - names)
+  assert "relaymoe_jax/mosaic_gpu_tiles.json" in names
