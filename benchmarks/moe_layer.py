@@ -29,6 +29,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,6 +127,7 @@ def expert_flops(tokens, d, f, k):
 
 
 PROFILE_STEPS = 2
+MEASURE_TIMEOUT_S = 300  # per variant, from "go" to its row (the slowest measured so far took ~20 s)
 
 
 def _keep_local(x, axis_name, perm):  # noqa: ARG001  (ppermute's signature)
@@ -281,11 +283,26 @@ class _Child:
     if "variant" in message:  # failed before measuring
       self.result = message
 
-  def measure(self):
+  def measure(self, timeout_s=MEASURE_TIMEOUT_S):
+    """The measured row; a process with no result after `timeout_s` is killed and its row says so, so one hung
+    variant does not cost the rest of a device call."""
     if self.result is None:
       self.proc.stdin.write("go\n")
       self.proc.stdin.flush()
-      self.result = self._message()
+      timed_out = threading.Event()
+
+      def kill():
+        timed_out.set()
+        self.proc.kill()
+
+      watchdog = threading.Timer(timeout_s, kill)
+      watchdog.start()
+      try:
+        self.result = self._message()
+      finally:
+        watchdog.cancel()
+      if timed_out.is_set():
+        self.result = dict(self.job, error=f"no result within {timeout_s} s: killed")
     self.close()
     return self.result
 

@@ -52,16 +52,35 @@ def test_variants_compile_together_and_measure_in_turn():
   assert "no_such_variant" in rows[2]["error"], rows[2]
 
 
-def test_a_variant_process_that_never_exits_is_killed():
+def _fake_child(code):
+  """A `_Child` around `python -c code` instead of a variant process."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
-  import time  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
   child = object.__new__(moe_layer._Child)
-  child.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  child.result = dict(variant="v", error="out of memory")
+  child.job, child.result, child.stderr = dict(variant="v"), None, tempfile.TemporaryFile(mode="w+")
+  child.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=child.stderr, text=True)
+  return child
+
+
+def test_a_variant_process_that_never_exits_is_killed():
+  import time  # noqa: PLC0415
+  child = _fake_child("import json, time; print(json.dumps(dict(variant='v', error='out of memory')), flush=True); "
+                      "time.sleep(60)")
   start = time.perf_counter()
+  child.wait_compiled()
   child.close(wait_s=0.5)
-  assert child.proc.returncode is not None and time.perf_counter() - start < 10
+  assert child.result["error"] == "out of memory" and child.proc.returncode is not None
+  assert time.perf_counter() - start < 10
+
+
+def test_a_variant_process_that_never_reports_is_killed():
+  child = _fake_child("import json, sys, time; print(json.dumps(dict(compiled=True)), flush=True); "
+                      "sys.stdin.readline(); time.sleep(60)")
+  child.wait_compiled()
+  row = child.measure(timeout_s=0.5)
+  assert row == dict(variant="v", error="no result within 0.5 s: killed") and child.proc.returncode is not None
 
 
 def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
