@@ -17,7 +17,8 @@ of the two. `compute_floor` is the ring of one: all experts on one GPU, no trans
 NAME with the chunk-size ladder (R1, R2).
 Up to --parallel variant processes compile at once (compilation is CPU work, most of a process's minute); they
 then measure one at a time while the others wait, so no measurement shares the GPU with anything. A batch
-measures only once all of it has compiled: keep slow compiles (E384) out of a batch of fast ones.
+measures only once all of it has compiled: keep slow compiles (E384) out of a batch of fast ones. A variant with no
+result 300 s after it starts measuring is killed and reported as such.
 Writes JSON (after every row) and a table under benchmarks/results/.
 """
 
