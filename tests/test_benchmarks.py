@@ -13,14 +13,14 @@ from benchmarks import moe_layer
 def rows():
   return [moe_layer.run_one(v, "tiny", 64, iters=1)
           for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16",
-                    "ring_nocomm", "ring_expert_reverse")]
+                    "ring_nocomm", "ring_expert_reverse", "auto")]
 
 
 def test_moe_layer_rows_measure_every_variant(rows):
   for row in rows:
     assert "error" not in row, row
     assert row["latency_ms"] > 0 and row["temp_bytes"] > 0
-  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8]
+  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8, 8]
 
 
 @pytest.mark.parametrize("gpus", [2, 8])  # a ring of two reverses its backward, so its transfers differ
