@@ -40,47 +40,50 @@ def _union_ms(intervals):
   return total / 1e3
 
 
-def kernel_times(path, steps=1, device="GPU:0"):
-  """{"by_name": [(name, ms per step, launches per step)], "by_kind": {kind: ms per step}, "busy_ms": …,
-  "exposed_collective_ms": …}: the last is the time collectives run while no other kernel does, per step (the
-  communication that compute did not hide)."""
+def device_kernels(path, device="GPU:0"):
+  """The kernel events (complete events, "X") of `device` in the trace, by start time."""
   events = json.load(gzip.open(path))
   events = events["traceEvents"] if isinstance(events, dict) else events
   pids = {e["pid"] for e in events
           if e.get("ph") == "M" and e.get("name") == "process_name" and device in e["args"].get("name", "")}
+  return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
+
+
+def _is_collective(event):
+  return kind_of(event["name"]) == "collective"
+
+
+def kernel_times(path, steps=1, device="GPU:0"):
+  """{"by_name": [(name, ms per step, launches per step)], "by_kind": {kind: ms per step}, "busy_ms": …,
+  "compute_ms": …, "exposed_collective_ms": …}: compute_ms is the kernel time outside collectives; the last is the
+  time collectives run while no other kernel does, per step (the communication that compute did not hide)."""
   total, launches = collections.Counter(), collections.Counter()
-  spans = {"collective": [], "compute": []}
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in pids:
-      total[e["name"]] += e["dur"] / 1e3
-      launches[e["name"]] += 1
-      spans["collective" if kind_of(e["name"]) == "collective" else "compute"].append((e["ts"], e["ts"] + e["dur"]))
-  exposed = _union_ms(spans["collective"] + spans["compute"]) - _union_ms(spans["compute"])
+  spans = {True: [], False: []}
+  for e in device_kernels(path, device):
+    total[e["name"]] += e["dur"] / 1e3
+    launches[e["name"]] += 1
+    spans[_is_collective(e)].append((e["ts"], e["ts"] + e["dur"]))
+  exposed = _union_ms(spans[True] + spans[False]) - _union_ms(spans[False])
   by_kind = collections.Counter()
   for name, ms in total.items():
     by_kind[kind_of(name)] += ms / steps
-  compute_ms = sum(ms for name, ms in total.items() if kind_of(name) != "collective")
+  compute_ms = sum(ms for kind, ms in by_kind.items() if kind != "collective")
   return dict(by_name=[(n, round(ms / steps, 3), launches[n] // steps) for n, ms in total.most_common(40)],
               by_kind={k: round(v, 3) for k, v in by_kind.most_common()}, busy_ms=round(sum(total.values()) / steps, 3),
-              compute_ms=round(compute_ms / steps, 3), exposed_collective_ms=round(exposed / steps, 3))
+              compute_ms=round(compute_ms, 3), exposed_collective_ms=round(exposed / steps, 3))
 
 
 def collective_timeline(path, device="GPU:0"):
   """[(start ms, duration ms, other kernels' time during it ms, name)] of each collective kernel on `device`, from
   the first kernel of the trace: where the sends sit in a step and how much compute runs beside each."""
-  events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  pids = {e["pid"] for e in events
-          if e.get("ph") == "M" and e.get("name") == "process_name" and device in e["args"].get("name", "")}
-  kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
-  compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kind_of(e["name"]) != "collective"]
+  kernels = device_kernels(path, device)
+  compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not _is_collective(e)]
   rows = []
-  for e in kernels:
-    if kind_of(e["name"]) == "collective":
-      start, stop = e["ts"], e["ts"] + e["dur"]
-      beside = _union_ms([(max(a, start), min(b, stop)) for a, b in compute if a < stop and b > start])
-      rows.append((round((start - kernels[0]["ts"]) / 1e3, 3), round(e["dur"] / 1e3, 3), round(beside, 3),
-                   e["name"][:60]))
+  for e in filter(_is_collective, kernels):
+    start, stop = e["ts"], e["ts"] + e["dur"]
+    beside = _union_ms([(max(a, start), min(b, stop)) for a, b in compute if a < stop and b > start])
+    rows.append((round((start - kernels[0]["ts"]) / 1e3, 3), round(e["dur"] / 1e3, 3), round(beside, 3),
+                 e["name"][:60]))
   return rows
 
 
