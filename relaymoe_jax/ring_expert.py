@@ -104,6 +104,10 @@ class RingExpert:
   reverse_backward: bool | None = None
 
   def reverses_backward(self, ring_size):
+    """Whether the custom backward runs reversed on this ring (without `recompute` there is no custom backward, so
+    nothing is kept from the forward for it)."""
+    if not self.recompute:
+      return False
     return ring_size == 2 if self.reverse_backward is None else self.reverse_backward
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):

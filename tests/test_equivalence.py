@@ -121,6 +121,7 @@ def test_reverse_backward_default_is_on_for_a_ring_of_two_only():
   assert [rm.RingExpert().reverses_backward(n) for n in (1, 2, 3, 8)] == [False, True, False, False]
   assert rm.RingExpert(reverse_backward=True).reverses_backward(8)
   assert not rm.RingExpert(reverse_backward=False).reverses_backward(2)
+  assert not rm.RingExpert(recompute=False).reverses_backward(2)  # plain autodiff: no custom backward to reverse
 
 
 def test_reverse_backward_sends_no_weights_on_a_ring_of_two():
