@@ -18,7 +18,8 @@ NAME with the chunk-size ladder (R1, R2).
 Up to --parallel variant processes compile at once (compilation is CPU work, most of a process's minute); they
 then measure one at a time while the others wait, so no measurement shares the GPU with anything. A batch
 measures only once all of it has compiled: keep slow compiles (E384) out of a batch of fast ones. A variant with no
-result 300 s after it starts measuring is killed and reported as such.
+result 300 s after it starts measuring is killed and reported as such; one whose compiled buffers exceed a GPU's
+allocator limit is reported out of memory without running.
 Writes JSON (after every row) and a table under benchmarks/results/.
 """
 
@@ -220,6 +221,8 @@ def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_ho
     compiled, make_args, devices = compile_variant(variant, shape, tokens_per_gpu, xla_options)
     row.update(gpus=len(devices), device=devices[0].device_kind, compile_s=round(time.perf_counter() - start, 1),
                temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes))
+    if does_not_fit(compiled, devices, row):
+      return row
     if compiled_hook:
       compiled_hook(row)
     args = make_args()
@@ -243,6 +246,19 @@ def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_ho
   if profile_dir:
     row["kernels"] = _profile(jax, compiled, args, os.path.join(profile_dir, variant.replace("/", "_")))
   return row
+
+
+def does_not_fit(compiled, devices, row):
+  """Whether the compiled step needs more than a device's allocator can give (then `row` says so, with both
+  numbers): such a step is not run, because one GPU failing its allocation leaves the other GPU's half of the
+  step waiting in a send that never completes, and the process hangs."""
+  limit = min((dev.memory_stats() or {}).get("bytes_limit", 0) for dev in devices)
+  m = compiled.memory_analysis()
+  needed = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  if not limit or needed <= limit:
+    return False
+  row.update(error="out of memory", needed_bytes=int(needed), limit_bytes=int(limit))
+  return True
 
 
 def _profile(jax, compiled, args, trace_dir):

@@ -169,3 +169,25 @@ def test_ep8_summary_averages_over_points():
                   "loss_curve_max_abs_diff=1e-06")
   with pytest.raises(ValueError, match="no point"):
     ep8_summary([dict(r, gpus=2) for r in rows], {"loss_curve_max_abs_diff": 0.0})
+
+
+def test_a_step_that_cannot_fit_is_reported_not_run():
+  """Compiled needs (arguments + outputs + temporaries) over a device's allocator limit: out of memory, with both
+  numbers; CPU devices report no limit, so nothing is refused there."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(jnp.ones((256, 64))).compile()
+
+  class Device:
+    def __init__(self, limit):
+      self.limit = limit
+
+    def memory_stats(self):
+      return dict(bytes_limit=self.limit)
+
+  row = {}
+  assert moe_layer.does_not_fit(compiled, [Device(1 << 40), Device(1024)], row)
+  assert row["error"] == "out of memory" and row["limit_bytes"] == 1024 and row["needed_bytes"] >= 256 * 64 * 4
+  assert not moe_layer.does_not_fit(compiled, [Device(1 << 40)], {})
+  assert not moe_layer.does_not_fit(compiled, jax.devices()[:1], {})
