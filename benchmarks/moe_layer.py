@@ -39,6 +39,7 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 MODEL_OF_SHAPE = {"qwen3_30b": "qwen3-30b-a3b"}  # other shapes are named as their configs/models/ file
 GRID = "grid"  # --shape grid: every grid-* model config, the paper's scaling grid (Table 3)
 SUMMARY_SHAPE, SUMMARY_TOKENS = "qwen3_30b", 65536
+MEM_FRACTION = "0.95"  # of each GPU's memory a variant process may allocate, unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 
 
 def layer_shape(name):
@@ -280,8 +281,9 @@ class _Child:
            "--iters", str(iters)] + (["--profile", profile_dir] if profile_dir else []) + \
         [f"--xla-option={option}" for option in xla_options]
     # Without preallocation each process takes only what it uses, so the waiting ones leave the GPU to the one
-    # measuring (peak_bytes_in_use counts the allocator's use either way).
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    # measuring (peak_bytes_in_use counts the allocator's use either way); that one may take MEM_FRACTION of the
+    # GPU (JAX's default, 0.75, would put the out-of-memory points a quarter of the GPU early).
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION, **os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     self.stderr = tempfile.TemporaryFile(mode="w+")
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                  cwd=REPO, env=env)
@@ -555,7 +557,7 @@ def machine():
   except (OSError, subprocess.CalledProcessError, IndexError):
     pass
   return dict(python=platform.python_version(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
-              machine=what)
+              machine=what, mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
 
 
 def merge(paths, out):
@@ -582,6 +584,7 @@ def write_table(data, out):
   scaling = data.get("ep_scaling") or {}
   header = [f"# {m['command']}\n#   {m.get('machine', '?')}; JAX {m['jax']}, Python {m['python']}; "
             f"XLA_FLAGS={m.get('xla_flags') or '(default)'}; compiler options {m.get('compiler_options', '(none)')}"
+            + (f"; GPU memory fraction {m['mem_fraction']}" if "mem_fraction" in m else "")
             for m in runs + ([scaling] if scaling else [])]
   line = summary(data["rows"], scaling.get("rows", []))
   text = "\n".join(header + [render(data["rows"], scaling.get("rows", []))] + ([line] if line else []))
