@@ -50,11 +50,11 @@ def test_rope_matches_hf_rotate_half():
 
 
 def _loss_and_grads(config, mesh, tokens, params=None):
-  """(loss, gradients as a pure dict) of the model built from `seed=0`, or with `params` (a pure dict)."""
-  model = qwen3.create_sharded(config, mesh, seed=0)
-  graphdef, state = nnx.split(model)
-  if params is not None:
-    nnx.replace_by_pure_dict(state, params)
+  """(loss, gradients as a pure dict) of the model with `params` (a pure dict; default: built from seed 0)."""
+  if params is None:
+    params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, params)
   params = state
 
   def loss(params):
@@ -86,8 +86,9 @@ def test_model_under_dispatcher_matches_dense(dispatcher, variant):
   mesh = build_mesh(mesh_config)
   config = qwen3.load_config("tiny", **extra)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 17)), jnp.int32)
-  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens)
-  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens, params)
+  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens, params)
   assert abs(float(value) - float(ref_value)) <= MODEL_RTOL * abs(float(ref_value))
   flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
   assert len(flat) == len(ref_flat)
@@ -137,15 +138,16 @@ def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
 
 
 def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
-  """The same parameters, stacked: the same loss and, stacked, the same gradients (float32, ring dispatcher), over
-  stretches of MoE, dense and rematerialised layers."""
-  config = qwen3.load_config("tiny", num_hidden_layers=6, mlp_only_layers=[2],
-                             remat_attention=[False, False, False, True, True, True], scan_layers=False)
+  """The same parameters, stacked: the same loss and, stacked, the same gradients (float32), over stretches of
+  MoE, dense and rematerialised layers. (The dispatchers inside a scan: the tests above, whose tiny model is one
+  stretch of two MoE layers.)"""
+  config = qwen3.load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3], dispatcher="dense",
+                             remat_attention=[False, False, False, False, True], scan_layers=False)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
-  unrolled_value, unrolled = _loss_and_grads(config, mesh, tokens)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  unrolled_value, unrolled = _loss_and_grads(config, mesh, tokens, params)
   scanned_config = dataclasses.replace(config, scan_layers=True)
   stacked = lambda layers: jax.tree.map(lambda *p: jnp.stack(p), *layers)  # noqa: E731
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
   scanned_params = dict(params, layers={g: {qwen3.STACKED: stacked([params["layers"][i] for i in range(f, f + n)])}
                                         for g, (f, n) in enumerate(scanned_config.layer_groups())})
   value, scanned = _loss_and_grads(scanned_config, mesh, tokens, scanned_params)
