@@ -3,7 +3,8 @@
 Decoder layer: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)), where MLP is the MoE block
 (`relaymoe_jax.route` + `relaymoe_jax.moe_ffn`) or a dense SwiGLU on `mlp_only_layers` / off-`decoder_sparse_step`
 layers. Attention: GQA, per-head RMSNorm on q and k before RoPE (Qwen3), half-split RoPE over the full head_dim,
-scale head_dim^-0.5, causal, through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU).
+scale head_dim^-0.5, causal, through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU). Consecutive
+layers of one kind are one `LayerStack` (stacked parameters, one `lax.scan`) unless `scan_layers=False`.
 
 Parallel layout ("MoE parallel folding"): the same devices, a different layout per block. Attention and embeddings
 split the batch over ('data', 'expert') and heads / MLP width over 'tensor' (parameters optionally FSDP over
@@ -66,6 +67,10 @@ class Qwen3MoEConfig:
   attention_implementation: str = "auto"
   fsdp: bool = False
   moe_tensor_parallel: bool = False  # split F of every expert over 'tensor' (expert tensor parallelism)
+  # Run each stretch of consecutive layers of one kind as one `lax.scan` over parameters stacked on a leading
+  # axis: one layer is traced and compiled whatever the depth (a ring layer takes about a minute to compile on a
+  # GPU). False: a Python loop over layers, each compiled on its own, which lets XLA overlap across layers.
+  scan_layers: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
@@ -91,6 +96,18 @@ class Qwen3MoEConfig:
 
   def remat(self, layer):
     return self.remat_attention if isinstance(self.remat_attention, bool) else self.remat_attention[layer]
+
+  def layer_groups(self):
+    """(first layer, count) of the layers run together: each stretch of consecutive layers of one kind (MoE or
+    dense MLP, attention remat or not) with `scan_layers`, else each layer alone."""
+    kind = lambda layer: (self.is_sparse(layer), self.remat(layer))  # noqa: E731
+    groups = []
+    for layer in range(self.num_hidden_layers):
+      if groups and self.scan_layers and kind(layer) == kind(groups[-1][0]):
+        groups[-1][1] += 1
+      else:
+        groups.append([layer, 1])
+    return [tuple(g) for g in groups]
 
 
 def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:
@@ -288,8 +305,41 @@ class DecoderLayer(_Layer):
     out = self.mlp(self.post_attention_norm(h))
     if isinstance(self.mlp, MoE):
       out, aux = out
-      return h + out, aux
-    return h + out, None
+      return h + out, [aux]
+    return h + out, []
+
+
+STACKED = "stacked"  # LayerStack's attribute: parameters below it carry a leading layer axis
+
+
+class LayerStack(nnx.Module):
+  """`count` consecutive decoder layers of one kind as one layer whose parameters are stacked on a leading axis
+  (sharding specs gain a leading None), run by `lax.scan`: the layer is traced and compiled once."""
+
+  def __init__(self, config, first, count, mesh, rngs):
+    self.count = count
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def build(rngs):
+      return DecoderLayer(config, first, mesh, rngs)
+
+    setattr(self, STACKED, build(rngs))
+
+  def __call__(self, x_BSD, positions_BS):
+    graphdef, params = nnx.split(getattr(self, STACKED))
+
+    def one_layer(x, layer_params):
+      return nnx.merge(graphdef, layer_params)(x, positions_BS)
+
+    x_BSD, auxes = jax.lax.scan(one_layer, x_BSD, params)
+    return x_BSD, [jax.tree.map(lambda a: a[i], auxes[0]) for i in range(self.count)] if auxes else []
+
+
+def per_layer_ndim(path, param):
+  """A parameter's rank in one layer: its rank, less the layer axis when it lives in a `LayerStack` (`path`: a
+  key path into the model's parameters, e.g. from `jax.tree_util.tree_map_with_path`)."""
+  return param.ndim - any(getattr(key, "key", None) == STACKED for key in path)
 
 
 class Qwen3MoE(_Layer):
@@ -300,7 +350,8 @@ class Qwen3MoE(_Layer):
     param = functools.partial(_make_param, config, mesh, rngs)
     self.mesh = mesh
     self.embed_VD = param("embed_VD", (config.vocab_size, config.hidden_size))
-    self.layers = nnx.List([DecoderLayer(config, i, mesh, rngs) for i in range(config.num_hidden_layers)])
+    self.layers = nnx.List([LayerStack(config, first, count, mesh, rngs) if config.scan_layers else
+                            DecoderLayer(config, first, mesh, rngs) for first, count in config.layer_groups()])
     self.norm = RMSNorm(config, config.hidden_size, mesh, rngs)
     if not config.tie_word_embeddings:
       self.lm_head_DV = param("lm_head_DV", (config.hidden_size, config.vocab_size))
@@ -316,10 +367,9 @@ class Qwen3MoE(_Layer):
     x = self.cast(self.embed_VD)[tokens_BS]
     positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     auxes = []
-    for layer in self.layers:
-      x, aux = layer(x, positions_BS)
-      if aux is not None:
-        auxes.append(aux)
+    for layers in self.layers:
+      x, layer_auxes = layers(x, positions_BS)
+      auxes += layer_auxes
     x = self.norm(x)
     head = self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)

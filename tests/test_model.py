@@ -49,9 +49,13 @@ def test_rope_matches_hf_rotate_half():
   np.testing.assert_allclose(np.asarray(qwen3.rope(jnp.asarray(x), jnp.asarray(pos), theta)), ref, atol=1e-5)
 
 
-def _loss_and_grads(config, mesh, tokens):
-  model = qwen3.create_sharded(config, mesh, seed=0)
-  graphdef, params = nnx.split(model)
+def _loss_and_grads(config, mesh, tokens, params=None):
+  """(loss, gradients as a pure dict) of the model with `params` (a pure dict; default: built from seed 0)."""
+  if params is None:
+    params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, params)
+  params = state
 
   def loss(params):
     logits, aux = nnx.merge(graphdef, params).logits_and_aux(tokens[:, :-1])
@@ -82,8 +86,9 @@ def test_model_under_dispatcher_matches_dense(dispatcher, variant):
   mesh = build_mesh(mesh_config)
   config = qwen3.load_config("tiny", **extra)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 17)), jnp.int32)
-  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens)
-  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens, params)
+  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens, params)
   assert abs(float(value) - float(ref_value)) <= MODEL_RTOL * abs(float(ref_value))
   flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
   assert len(flat) == len(ref_flat)
@@ -91,24 +96,68 @@ def test_model_under_dispatcher_matches_dense(dispatcher, variant):
     assert_close(g, r, MODEL_RTOL, jax.tree_util.keystr(path))
 
 
-def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh):
-  config = qwen3.load_config("tiny", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh, scan_layers):
+  config = qwen3.load_config("tiny", num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3],
+                             scan_layers=scan_layers)
   model = qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))
-  kinds = [type(layer.mlp).__name__ for layer in model.layers]
-  assert kinds == ["DenseMLP", "MoE", "DenseMLP", "DenseMLP"]
+  layers = [(getattr(b, qwen3.STACKED), b.count) if scan_layers else (b, 1) for b in model.layers]
+  kinds = [type(layer.mlp).__name__ for layer, count in layers for _ in range(count)]
+  assert kinds == ["DenseMLP", "MoE", "DenseMLP", "DenseMLP", "DenseMLP"]
+  assert len(model.layers) == (3 if scan_layers else 5)  # the last three layers are one scan
   logits = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 8), jnp.int32))
   assert logits.shape == (8, 8, config.vocab_size) and logits.dtype == jnp.float32
 
 
-def test_parameters_follow_the_sharding_table(mesh):
-  model = qwen3.create_sharded(qwen3.load_config("tiny"), mesh)
-  moe = model.layers[0].mlp
-  def spec(p):
-    s = tuple(p[...].sharding.spec)
-    return s + (None,) * (p[...].ndim - len(s))
+def test_layer_groups_split_at_every_change_of_kind():
+  config = qwen3.load_config("tiny", num_hidden_layers=7, mlp_only_layers=[2],
+                             remat_attention=[False, False, False, True, True, False, False])
+  assert config.layer_groups() == [(0, 2), (2, 1), (3, 2), (5, 2)]
+  assert dataclasses.replace(config, scan_layers=False).layer_groups() == [(i, 1) for i in range(7)]
 
-  assert spec(moe.w_gate_EDF) == ("expert", None, None) and spec(moe.w_down_EFD) == ("expert", None, None)
+
+def _spec(p):
+  s = tuple(p[...].sharding.spec)
+  return s + (None,) * (p[...].ndim - len(s))
+
+
+def test_parameters_follow_the_sharding_table(mesh):
+  model = qwen3.create_sharded(qwen3.load_config("tiny", scan_layers=False), mesh)
+  moe = model.layers[0].mlp
+  assert _spec(moe.w_gate_EDF) == ("expert", None, None) and _spec(moe.w_down_EFD) == ("expert", None, None)
   assert tuple(model.layers[0].attn.q_DH.out_sharding) == (None, "tensor")  # 'tensor' has size 1 here
+
+
+def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
+  model = qwen3.create_sharded(qwen3.load_config("tiny"), mesh)
+  stack = getattr(model.layers[0], qwen3.STACKED)
+  assert stack.mlp.w_gate_EDF[...].shape[0] == 2
+  assert _spec(stack.mlp.w_gate_EDF) == (None, "expert", None, None)
+  assert _spec(stack.mlp.w_down_EFD) == (None, "expert", None, None)
+  assert tuple(stack.attn.q_DH.out_sharding) == (None, None, "tensor")
+
+
+def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
+  """The same parameters, stacked: the same loss and, stacked, the same gradients (float32), over stretches of
+  MoE, dense and rematerialised layers. (The dispatchers inside a scan: the tests above, whose tiny model is one
+  stretch of two MoE layers.)"""
+  config = qwen3.load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3], dispatcher="dense",
+                             remat_attention=[False, False, False, False, True], scan_layers=False)
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  unrolled_value, unrolled = _loss_and_grads(config, mesh, tokens, params)
+  scanned_config = dataclasses.replace(config, scan_layers=True)
+  stacked = lambda layers: jax.tree.map(lambda *p: jnp.stack(p), *layers)  # noqa: E731
+  scanned_params = dict(params, layers={g: {qwen3.STACKED: stacked([params["layers"][i] for i in range(f, f + n)])}
+                                        for g, (f, n) in enumerate(scanned_config.layer_groups())})
+  value, scanned = _loss_and_grads(scanned_config, mesh, tokens, scanned_params)
+  assert abs(float(value) - float(unrolled_value)) <= 1e-6 * abs(float(unrolled_value))
+  expected = dict(unrolled, layers={g: {qwen3.STACKED: stacked([unrolled["layers"][i] for i in range(f, f + n)])}
+                                    for g, (f, n) in enumerate(scanned_config.layer_groups())})
+  flat, ref_flat = jax.tree_util.tree_leaves_with_path(scanned), jax.tree_util.tree_leaves_with_path(expected)
+  assert [p for p, _ in flat] == [p for p, _ in ref_flat]
+  for (path, g), (_, r) in zip(flat, ref_flat):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-57b-a14b", "qwen3-235b-a22b", "grid-e128-k8-f768"])

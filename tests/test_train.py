@@ -73,7 +73,7 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   for (path, p0), g, p1 in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads),
                                jax.tree.leaves(new_state.params)):
     g = np.asarray(g, np.float64) * scale
-    decay = o.weight_decay if p0.ndim >= 2 else 0.0
+    decay = 0.0 if "norm" in jax.tree_util.keystr(path) else o.weight_decay  # tiny has no biases
     expected = np.asarray(p0) - lr * (g / (np.abs(g) + o.eps) + decay * np.asarray(p0))
     # Elements whose gradient is ~0 move by a ratio dominated by eps and rounding; compare the rest tightly.
     significant = np.abs(g) > 1e-5
@@ -104,6 +104,13 @@ def test_resume_continues_exactly(tmp_path):
   assert [r["step"] for r in resumed] == [3, 4, 5]
   for a, b in zip(full[3:], resumed):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
+
+
+def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
+  run(tiny_run(tmp_path, steps=1, checkpoint_every=1, model_overrides={"scan_layers": False}))
+  with pytest.raises(ValueError, match="checkpoint step 1 .* model.scan_layers"):
+    run(tiny_run(tmp_path, steps=2, checkpoint_every=1), resume=True)
+  assert Checkpoints(tmp_path / "run" / "checkpoints", 2).latest_step() == 1
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -98,8 +98,13 @@ class Checkpoints:
     if step is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                  meta=ocp.args.JsonRestore()))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                    meta=ocp.args.JsonRestore()))
+    except ValueError as err:
+      raise ValueError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's parameters "
+                       "(another model config: layers, sizes, or model.scan_layers, which stacks layers); "
+                       f"orbax says: {str(err)[:300]}") from err
     return restored.state, restored.meta
 
   def close(self):

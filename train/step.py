@@ -6,6 +6,8 @@ import jax
 import optax
 from flax import nnx
 
+from models import qwen3
+
 
 class TrainState(NamedTuple):
   params: dict  # pure dict of arrays (nnx.to_pure_dict of the model's Params)
@@ -13,14 +15,19 @@ class TrainState(NamedTuple):
   step: jax.Array
 
 
+def decay_mask(params):
+  """True for the parameters that get weight decay: a layer's matrices, not its norms or biases (whose stacked
+  form under `scan_layers` is a matrix too)."""
+  return jax.tree_util.tree_map_with_path(lambda path, p: qwen3.per_layer_ndim(path, p) >= 2, params)
+
+
 def make_optimizer(optim, total_steps):
-  """AdamW with weight decay on matrices only (not norms or biases), linear warmup + cosine decay, global-norm
+  """AdamW with weight decay on matrices only (not norms or biases, stacked per layer or not), linear warmup + cosine decay, global-norm
   clipping. Returns (optimizer, schedule); the schedule is shifted by one so that step 0 already learns."""
   warmup_cosine = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=optim.learning_rate, warmup_steps=max(optim.warmup_steps, 1),
       decay_steps=max(total_steps, optim.warmup_steps + 1), end_value=optim.learning_rate * optim.min_lr_ratio)
   schedule = lambda step: warmup_cosine(step + 1)  # noqa: E731
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
   return optax.chain(
       optax.clip_by_global_norm(optim.grad_clip),
       optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
