@@ -25,6 +25,7 @@ Writes JSON (after every row) and a table under benchmarks/results/.
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -145,10 +146,13 @@ def _inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu):
   keys = jax.random.split(jax.random.key(0), 2 + 3 * stack_depth(shape))
   sharded = NamedSharding(mesh, P(rm.EXPERT))
   bf16 = jnp.bfloat16
-  x = jax.device_put(jax.random.normal(keys[0], (t, d), bf16), sharded)
+  # Each array made in place, sharded: a whole array made on the first GPU and then split would stay in that
+  # process's allocator pool (it does not give memory back), on one GPU only.
+  on_mesh = functools.partial(jax.jit, out_shardings=sharded)
+  x = on_mesh(lambda: jax.random.normal(keys[0], (t, d), bf16))()
   router = jax.random.normal(keys[1], (d, e), bf16) * 0.02
-  idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k))(x, router)
-  weights = [jax.device_put((jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16), sharded)
+  idx, w, _ = jax.jit(lambda x, r: rm.route(x, r, top_k=k), out_shardings=(sharded, sharded, None))(x, router)
+  weights = [on_mesh(lambda kk=kk, s=s: (jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[1])).astype(bf16))()
              for kk, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)) * stack_depth(shape))]
   return x, idx, w, weights
 
@@ -206,8 +210,11 @@ def compile_variant(variant, shape, tokens_per_gpu, xla_options=(), gpus=None):
   make_args = lambda: pick(*_inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu))  # noqa: E731
   no_sends = unittest.mock.patch("jax.lax.ppermute", _keep_local) if variant.startswith("ring_nocomm") else \
       contextlib.nullcontext()
+  # Lowered from shapes alone, so a process waiting for its turn to measure holds no device memory.
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rm.EXPERT))
+  abstract_args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharded) for a in jax.eval_shape(make_args)]
   with no_sends:
-    return step.lower(*make_args()).compile(compiler_options(xla_options)), make_args, devices
+    return step.lower(*abstract_args).compile(compiler_options(xla_options)), make_args, devices
 
 
 def run_one(variant, shape, tokens_per_gpu, iters, profile_dir=None, compiled_hook=None, xla_options=()):
