@@ -455,6 +455,7 @@ def plot(path):
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.ticker  # noqa: PLC0415
   data = json.load(open(path))
   ours = [r for r in data["rows"] if r["shape"] == SUMMARY_SHAPE and r["variant"] != TRANSFER]
   rows = [r for r in ours if "error" not in r]
@@ -462,7 +463,7 @@ def plot(path):
   for r in ours:
     if r.get("error") == "out of memory":
       oom.setdefault(r["variant"], []).append(str(r["tokens_per_gpu"]))
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  fig, axes = plt.subplots(1, 3, figsize=(16, 5))
   panels = ((0, "latency_ms", "fwd+bwd ms", "latency"), (1, "peak_bytes", "peak GiB", "peak memory"))
   scale = dict(latency_ms=1.0, peak_bytes=2.0**-30)
   variants = list(dict.fromkeys(r["variant"] for r in rows))
@@ -479,10 +480,11 @@ def plot(path):
       note = f" (OOM at {', '.join(oom[variant])})" if variant in oom else ""
       axes[i].plot(*zip(*pts), "o-", label=variant + note, color=colors[variant])
     axes[i].set(xlabel="tokens per GPU", ylabel=label, title=f"Qwen3-30B MoE layer, fwd+bwd: {what}",
-                xscale="log")
+                xscale="log", yscale="log")
     axes[i].set_xticks(tokens, [f"{t // 1024}K" for t in tokens])
     axes[i].minorticks_off()
-    axes[i].legend(fontsize=8)
+    axes[i].yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    axes[i].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
   scaling = (data.get("ep_scaling") or {}).get("rows", [])
   for key in ("ring_expert", "a2a_dropless", "a2a_cf1"):
     axes[2].plot([s["ep"] for s in scaling], [s[key] / 2**20 for s in scaling], "o-", label=key)
@@ -493,6 +495,9 @@ def plot(path):
   axes[2].legend()
   out = os.path.splitext(path)[0] + ".png"
   fig.tight_layout()
+  if len(tokens) > 1:  # one legend for the two panels, below them
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.subplots_adjust(bottom=0.22)
   fig.savefig(out, dpi=110)
   print(out)
 
@@ -563,8 +568,10 @@ def machine():
     what += f", driver {driver}"
   except (OSError, subprocess.CalledProcessError, IndexError):
     pass
+  gpu = {"mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)} \
+      if jax.default_backend() == "gpu" else {}
   return dict(python=platform.python_version(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
-              machine=what, mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
+              machine=what, **gpu)
 
 
 def merge(paths, out):
@@ -592,7 +599,7 @@ def write_table(data, out):
   header = [f"# {m['command']}\n#   {m.get('machine', '?')}; JAX {m['jax']}, Python {m['python']}; "
             f"XLA_FLAGS={m.get('xla_flags') or '(default)'}; compiler options {m.get('compiler_options', '(none)')}"
             + (f"; GPU memory fraction {m['mem_fraction']}" if "mem_fraction" in m else "")
-            for m in runs + ([scaling] if scaling else [])]
+            for m in runs + ([scaling] if scaling and scaling["command"] not in {r["command"] for r in runs} else [])]
   line = summary(data["rows"], scaling.get("rows", []))
   text = "\n".join(header + [render(data["rows"], scaling.get("rows", []))] + ([line] if line else []))
   with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
