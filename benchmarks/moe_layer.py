@@ -19,7 +19,8 @@ Up to --parallel variant processes compile at once (compilation is CPU work, mos
 then measure one at a time while the others wait, so no measurement shares the GPU with anything. A batch
 measures only once all of it has compiled: keep slow compiles (E384) out of a batch of fast ones. A variant with no
 result 300 s after it starts measuring is killed and reported as such; one whose compiled buffers exceed a GPU's
-allocator limit is reported out of memory without running.
+allocator limit (MEM_FRACTION of the GPU, unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise) is reported out of
+memory without running.
 Writes JSON (after every row) and a table under benchmarks/results/.
 """
 
