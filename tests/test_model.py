@@ -71,11 +71,12 @@ VARIANTS = {
     "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32),
               MeshConfig(data=2, expert=4)),
     "qwen3-etp": (dict(moe_tensor_parallel=True), MeshConfig(data=2, expert=2, tensor=2)),
+    "qwen3-fsdp": (dict(fsdp=True), MeshConfig(data=2, expert=4)),
 }
 
 
 DEFAULT_PAIRS = [("ring_expert", "qwen3"), ("ring_expert", "qwen2"), ("ring_expert", "qwen3-etp"),
-                 ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
+                 ("ring_expert", "qwen3-fsdp"), ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
 MODEL_PAIRS = [pytest.param(d, v, marks=() if (d, v) in DEFAULT_PAIRS else pytest.mark.slow)
                for d in ("ring_expert", "ring_token", "all_to_all") for v in sorted(VARIANTS)]
 
@@ -135,6 +136,8 @@ def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
   assert _spec(stack.mlp.w_gate_EDF) == (None, "expert", None, None)
   assert _spec(stack.mlp.w_down_EFD) == (None, "expert", None, None)
   assert tuple(stack.attn.q_DH.out_sharding) == (None, None, "tensor")
+  fsdp = getattr(qwen3.create_sharded(qwen3.load_config("tiny", fsdp=True), mesh).layers[0], qwen3.STACKED)
+  assert _spec(fsdp.attn.q_DH) == (None, "data", None) and _spec(fsdp.mlp.w_gate_EDF) == (None, "expert", None, None)
 
 
 def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):

@@ -22,7 +22,7 @@ def decay_mask(params):
 
 
 def make_optimizer(optim, total_steps):
-  """AdamW with weight decay on matrices only (not norms or biases, stacked per layer or not), linear warmup + cosine decay, global-norm
+  """AdamW with weight decay on matrices only (`decay_mask`), linear warmup + cosine decay, global-norm
   clipping. Returns (optimizer, schedule); the schedule is shifted by one so that step 0 already learns."""
   warmup_cosine = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=optim.learning_rate, warmup_steps=max(optim.warmup_steps, 1),
