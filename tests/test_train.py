@@ -22,7 +22,8 @@ from conftest import requires_devices
 from models import qwen3
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
 from train.data import SyntheticLanguage, make_source
-from train.loop import Checkpoints, build_mesh, global_batch, model_config_for, run
+from train.loop import (Checkpoints, abstract_train_state, build_mesh, global_batch, memory_plan, model_config_for,
+                        on_mesh, run)
 from train.step import TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,3 +234,45 @@ def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_pa
   checkpoints.close()
   resumed = run(dataclasses.replace(config, steps=4), resume=True)
   assert [r["step"] for r in resumed] == [3]
+
+
+def test_memory_plan_sees_the_real_training_state_from_shapes_alone():
+  """The abstract state has the real one's shapes, dtypes and shardings (FSDP, stacked layers, Adam moments); the
+  plan's state bytes per device are the real state's bytes on one device."""
+  run_config = RunConfig(model="tiny", model_overrides={"fsdp": True}, mesh=MeshConfig(data=2, expert=4),
+                         batch_size=8, seq_len=16, steps=2)
+  mesh = build_mesh(run_config.mesh)
+  model_config = model_config_for(run_config)
+  optimizer, _ = make_optimizer(run_config.optim, run_config.steps)
+  _, abstract = abstract_train_state(model_config, mesh, optimizer)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(model_config, mesh)))
+  real = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
+  (paths, abstract_leaves), real_leaves = zip(*jax.tree_util.tree_leaves_with_path(abstract)), jax.tree.leaves(real)
+  assert len(abstract_leaves) == len(real_leaves)
+  for path, a, r in zip(paths, abstract_leaves, real_leaves):
+    assert (a.shape, a.dtype) == (r.shape, r.dtype), jax.tree_util.keystr(path)
+    assert a.sharding.is_equivalent_to(r.sharding, r.ndim), (jax.tree_util.keystr(path), a.sharding, r.sharding)
+  plan = memory_plan(run_config)
+  device = jax.devices()[0]
+  assert plan["state_bytes"] == sum(s.data.nbytes for x in real_leaves for s in x.addressable_shards
+                                    if s.device == device)
+  assert plan["temp_bytes"] > 0 and plan["total_bytes"] >= plan["state_bytes"] + plan["temp_bytes"]
+  assert plan["layers"] == 2 and plan["device_limit_bytes"] is None  # CPU devices report no limit
+
+
+def test_cli_compile_only_reports_the_plan_and_trains_nothing(tmp_path):
+  cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--compile-only", "model.num_hidden_layers=3",
+         f"out_dir={tmp_path / 'run'}", "compilation_cache_dir=''"]
+  proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "3 layers on 8 devices" in proc.stdout and "training state" in proc.stdout, proc.stdout
+  plan = json.loads((tmp_path / "run" / "memory_plan.json").read_text())
+  assert plan["layers"] == 3 and plan["state_bytes"] > 0
+  assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["memory_plan.json"]
+
+
+def test_cli_takes_overrides_before_and_after_options():
+  from train.cli import _parse  # noqa: PLC0415
+  args = _parse(["--config", "ep8", "model.num_hidden_layers=4", "--out", "d", "steps=2", "--compile-only"])
+  assert args.overrides == ["model.num_hidden_layers=4", "steps=2"] and args.out == "d" and args.compile_only

@@ -1,6 +1,6 @@
 """`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config.
 
-    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume] [key=value ...]
+    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume] [--compile-only] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
 on 8 emulated CPU devices. Multi-process: pass --coordinator/--num-processes/--process-id (or set
@@ -8,7 +8,9 @@ RELAYMOE_COORDINATOR, RELAYMOE_NUM_PROCESSES, RELAYMOE_PROCESS_ID); under SLURM 
 """
 
 import argparse
+import json
 import os
+import pathlib
 import sys
 
 
@@ -18,12 +20,14 @@ def _parse(argv):
   parser.add_argument("--steps", type=int)
   parser.add_argument("--out", help="output directory (metrics.jsonl, checkpoints/, tensorboard/)")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="compile the train step from shapes alone and report its memory per device; train nothing")
   parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
   parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
   parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
   parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
-  return parser.parse_args(argv)
+  return parser.parse_intermixed_args(argv)  # key=value overrides may come before and after options
 
 
 def _start_distributed(args, jax):
@@ -44,7 +48,7 @@ def main(argv=None):
 
   _start_distributed(args, jax)
   from train.config import load_run_config  # noqa: PLC0415
-  from train.loop import run  # noqa: PLC0415
+  from train.loop import memory_plan, run  # noqa: PLC0415
 
   overrides = list(args.overrides)
   if args.steps is not None:
@@ -54,11 +58,30 @@ def main(argv=None):
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+  if args.compile_only:
+    _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
+    return
   history = run(config, resume=args.resume)
   if jax.process_index() == 0 and history:
     last = history[-1]
     print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s); "
           f"metrics in {config.out_dir}/metrics.jsonl")
+
+
+def _report_plan(plan, out_dir, write):
+  """Prints the memory plan and writes it to OUT/memory_plan.json."""
+  if not write:
+    return
+  def size(key):
+    n = plan[key]
+    return "not reported" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+  print(f"train step, {plan['layers']} layers on {plan['devices']} devices {plan['mesh']}, compiled in "
+        f"{plan['compile_s']:.1f} s; per device: training state {size('state_bytes')}, temporaries "
+        f"{size('temp_bytes')}, total {size('total_bytes')}; device limit {size('device_limit_bytes')}")
+  path = pathlib.Path(out_dir) / "memory_plan.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(plan, indent=1))
 
 
 if __name__ == "__main__":

@@ -173,6 +173,53 @@ def _peak_tflops(run):
   return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
 
 
+def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh):
+  return jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
+                 out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
+
+
+def abstract_train_state(model_config, mesh, optimizer, seed=0):
+  """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
+  allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(model_config, mesh=mesh, rngs=nnx.Rngs(seed))))
+  params = nnx.to_pure_dict(state)
+  param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
+  replicated = NamedSharding(mesh, P())
+
+  def like_its_parameter(path, leaf):
+    key = jax.tree_util.keystr(path)
+    owner = max((p for p in param_shardings if key.endswith(p)), key=len, default=None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_shardings[owner] if owner else replicated)
+
+  opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, jax.eval_shape(optimizer.init, params))
+  return graphdef, TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+
+
+def memory_plan(run_config: RunConfig):
+  """Compiles the train step from shapes alone (no parameter is made) and returns its per-device memory in bytes:
+  the training state (parameters and optimizer moments, exact), XLA's compiled temporaries and the total
+  (arguments + outputs + temporaries − donated), with the device's allocator limit where it reports one (GPU) and
+  the compile time. Whether a configuration fits, before it allocates anything (`relaymoe-train --compile-only`)."""
+  mesh = build_mesh(run_config.mesh)
+  model_config = model_config_for(run_config)
+  optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
+  graphdef, state = abstract_train_state(model_config, mesh, optimizer, run_config.seed)
+  step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),
+                           mesh)
+  batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
+                               sharding=NamedSharding(mesh, P(qwen3.TOKEN_AXES, None)))
+  start = time.perf_counter()
+  m = step_fn.lower(state, batch).compile().memory_analysis()
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  return dict(
+      devices=jax.device_count(), mesh=dict(mesh.shape), layers=model_config.num_hidden_layers,
+      compile_s=time.perf_counter() - start,
+      state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)),
+      temp_bytes=int(m.temp_size_in_bytes),
+      total_bytes=int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes),
+      device_limit_bytes=min(limits) if all(limits) else None)
+
+
 def run(run_config: RunConfig, *, resume=False):
   """Trains as configured; returns the logged metrics (a list of dicts). Raises FloatingPointError on a
   non-finite loss, keeping the last good checkpoint."""
@@ -192,8 +239,7 @@ def run(run_config: RunConfig, *, resume=False):
   if resume:
     state, meta = checkpoints.restore(state)
     start = int(meta["next_batch"])
-  step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
-                    out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
+  step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh)
   b, s = run_config.batch_size, run_config.seq_len
   if jax.process_index() == 0:
     print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
