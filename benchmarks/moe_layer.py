@@ -211,7 +211,8 @@ def compile_variant(variant, shape, tokens_per_gpu, xla_options=(), gpus=None):
   make_args = lambda: pick(*_inputs(jax, jnp, np, rm, mesh, shape, tokens_per_gpu))  # noqa: E731
   no_sends = unittest.mock.patch("jax.lax.ppermute", _keep_local) if variant.startswith("ring_nocomm") else \
       contextlib.nullcontext()
-  # Lowered from shapes alone, so a process waiting for its turn to measure holds no device memory.
+  # Lowered from shapes alone, so a process waiting for its turn to measure holds no device memory. `_inputs`
+  # splits every input over the expert axis on its first dimension (eval_shape does not keep shardings).
   sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rm.EXPERT))
   abstract_args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharded) for a in jax.eval_shape(make_args)]
   with no_sends:
@@ -261,12 +262,12 @@ def does_not_fit(compiled, devices, row):
   """Whether the compiled step needs more than a device's allocator can give (then `row` says so, with both
   numbers): such a step is not run, because one GPU failing its allocation leaves the other GPU's half of the
   step waiting in a send that never completes, and the process hangs."""
+  import relaymoe_jax as rm  # noqa: PLC0415
   limit = min((dev.memory_stats() or {}).get("bytes_limit", 0) for dev in devices)
-  m = compiled.memory_analysis()
-  needed = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  needed = rm.compiled_bytes(compiled)
   if not limit or needed <= limit:
     return False
-  row.update(error="out of memory", needed_bytes=int(needed), limit_bytes=int(limit))
+  row.update(error="out of memory", needed_bytes=needed, limit_bytes=int(limit))
   return True
 
 

@@ -12,7 +12,7 @@ N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
-from relaymoe_jax.compiler import COMPILER_OPTIONS
+from relaymoe_jax.compiler import COMPILER_OPTIONS, compiled_bytes
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.moe import DISPATCHERS, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
@@ -23,6 +23,6 @@ from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
     "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout",
-    "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "dense_moe", "dense_swiglu", "load_balancing_loss",
-    "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
+    "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "compiled_bytes", "dense_moe", "dense_swiglu",
+    "load_balancing_loss", "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
 ]

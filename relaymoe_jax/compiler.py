@@ -9,3 +9,10 @@ COMPILER_OPTIONS = {
     # exposed per gradient send at 16384 tokens per GPU); with two in flight both overlap the hop.
     "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
 }
+
+
+def compiled_bytes(compiled):
+  """Device memory a compiled program needs per device, by XLA's buffer assignment: arguments + outputs +
+  temporaries, donated arguments counted once."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

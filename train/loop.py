@@ -157,13 +157,10 @@ class MetricsLog:
 
 def peak_memory_bytes(compiled):
   """Peak device memory so far from the allocator where it reports one (GPU); else XLA's compiled estimate of the
-  train step (arguments + outputs + temporaries, per device)."""
+  train step (`rm.compiled_bytes`)."""
   stats = [d.memory_stats() or {} for d in jax.local_devices()]
   peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
-  if peaks:
-    return max(peaks)
-  m = compiled.memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+  return max(peaks) if peaks else rm.compiled_bytes(compiled)
 
 
 def _peak_tflops(run):
@@ -209,14 +206,13 @@ def memory_plan(run_config: RunConfig):
   batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
                                sharding=NamedSharding(mesh, P(qwen3.TOKEN_AXES, None)))
   start = time.perf_counter()
-  m = step_fn.lower(state, batch).compile().memory_analysis()
+  compiled = step_fn.lower(state, batch).compile()
   limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
   return dict(
       devices=jax.device_count(), mesh=dict(mesh.shape), layers=model_config.num_hidden_layers,
       compile_s=time.perf_counter() - start,
       state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)),
-      temp_bytes=int(m.temp_size_in_bytes),
-      total_bytes=int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes),
+      temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), total_bytes=rm.compiled_bytes(compiled),
       device_limit_bytes=min(limits) if all(limits) else None)
 
 
