@@ -18,16 +18,26 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
 from models.config import from_mapping, read_yaml
+from models.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 
 TOKEN_AXES = (DATA, EXPERT)
 FSDP = "fsdp"  # placeholder in PARAM_SPECS: DATA when FSDP is on, else replicated
 ETP = "etp"  # placeholder in PARAM_SPECS: TENSOR when expert tensor parallelism is on, else replicated
+# What a layer's backward recomputes, from the most memory to the least:
+#   none       every activation the layer's backward needs is kept from the forward;
+#   attention  attention is recomputed (its inputs are kept); the MoE keeps its residuals (x, pair plan);
+#   layer      only the layer's input is kept; backward reruns the whole layer's forward (the ring included);
+#   offload    as `layer`, with that input kept in host memory (`pinned_host`) instead of on the device.
+REMAT_POLICIES = ("none", "attention", "layer", "offload")
+LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,8 +71,12 @@ class Qwen3MoEConfig:
   # MoE block: dispatcher name and its own options (chunk_rows, capacity_factor, backend, ...).
   dispatcher: str = "ring_expert"
   dispatcher_options: tuple = ()  # given as a mapping in YAML; stored as sorted (key, value) pairs (hashable)
-  # Attention remat: one bool for every layer or one per layer (True = recompute in backward).
-  remat_attention: bool | tuple[bool, ...] = False
+  # What backward recomputes, for every layer or one entry per layer (`REMAT_POLICIES`); `relaymoe-plan` and the
+  # trainer's `remat: auto` choose it from the compiled step's memory.
+  remat: str | tuple[str, ...] = "none"
+  # Tokens per device per chunk of the loss head (`models.loss`): the float32 logits are never whole. 0: the
+  # plain loss over full logits.
+  loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
   # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
   attention_implementation: str = "auto"
   fsdp: bool = False
@@ -82,9 +96,14 @@ class Qwen3MoEConfig:
                        f"{self.num_experts}]")
     if self.dispatcher not in rm.DISPATCHERS:
       raise ValueError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
-    remat = self.remat_attention
-    if isinstance(remat, tuple) and len(remat) != self.num_hidden_layers:
-      raise ValueError(f"remat_attention has {len(remat)} entries for {self.num_hidden_layers} layers")
+    policies = self.remat if isinstance(self.remat, tuple) else (self.remat,)
+    if isinstance(self.remat, tuple) and len(self.remat) != self.num_hidden_layers:
+      raise ValueError(f"remat has {len(self.remat)} entries for {self.num_hidden_layers} layers")
+    unknown = sorted(set(policies) - set(REMAT_POLICIES))
+    if unknown:
+      raise ValueError(f"remat {unknown} unknown; each layer's is one of {list(REMAT_POLICIES)}")
+    if self.loss_chunk_tokens < 0:
+      raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: full logits)")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
@@ -94,13 +113,13 @@ class Qwen3MoEConfig:
     return (layer not in self.mlp_only_layers and self.num_experts > 0
             and (layer + 1) % self.decoder_sparse_step == 0)
 
-  def remat(self, layer):
-    return self.remat_attention if isinstance(self.remat_attention, bool) else self.remat_attention[layer]
+  def remat_of(self, layer):
+    return self.remat if isinstance(self.remat, str) else self.remat[layer]
 
   def layer_groups(self):
     """(first layer, count) of the layers run together: each stretch of consecutive layers of one kind (MoE or
-    dense MLP, attention remat or not) with `scan_layers`, else each layer alone."""
-    kind = lambda layer: (self.is_sparse(layer), self.remat(layer))  # noqa: E731
+    dense MLP, one remat policy) with `scan_layers`, else each layer alone."""
+    kind = lambda layer: (self.is_sparse(layer), self.remat_of(layer))  # noqa: E731
     groups = []
     for layer in range(self.num_hidden_layers):
       if groups and self.scan_layers and kind(layer) == kind(groups[-1][0]):
@@ -298,8 +317,16 @@ class DecoderLayer(_Layer):
       self.mlp = DenseMLP(config, config.intermediate_size, mesh, rngs)
 
   def __call__(self, x_BSD, positions_BS):
+    policy = self.config.remat_of(self.layer)
+    if policy in ("layer", "offload"):
+      whole = lambda layer, x, pos: layer.forward(x, pos)  # noqa: E731
+      return nnx.remat(whole, policy=_remat_policy(policy))(self, x_BSD, positions_BS)
+    return self.forward(x_BSD, positions_BS, remat_attention=policy == "attention")
+
+  def forward(self, x_BSD, positions_BS, remat_attention=False):
+    x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
     attend = lambda attn, x, pos: attn(x, pos)  # noqa: E731
-    if self.config.remat(self.layer):
+    if remat_attention:
       attend = nnx.remat(attend)
     h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS)
     out = self.mlp(self.post_attention_norm(h))
@@ -307,6 +334,16 @@ class DecoderLayer(_Layer):
       out, aux = out
       return h + out, [aux]
     return h + out, []
+
+
+def _remat_policy(policy):
+  """`layer`: save nothing (the remat keeps only its inputs); `offload`: the layer input, named, goes to the host,
+  so neither the remat nor a surrounding scan keeps it on the device."""
+  if policy == "offload":
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], offload_src="device",
+        offload_dst="pinned_host")
+  return jax.checkpoint_policies.nothing_saveable
 
 
 STACKED = "stacked"  # LayerStack's attribute: parameters below it carry a leading layer axis
@@ -360,8 +397,27 @@ class Qwen3MoE(_Layer):
     return self.logits_and_aux(tokens_BS)[0]
 
   def logits_and_aux(self, tokens_BS):
-    """(float32 logits [B, S, V], router losses of the MoE layers: Hugging Face's load-balancing loss over every
-    layer's routing (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
+    """(float32 logits [B, S, V], router losses: see `hidden_and_aux`)."""
+    x_BSD, aux = self.hidden_and_aux(tokens_BS)
+    return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
+
+  def cross_entropy_and_aux(self, tokens_BS, labels_BS):
+    """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
+    Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
+    x_BSD, aux = self.hidden_and_aux(tokens_BS)
+    if not self.config.loss_chunk_tokens:
+      logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS), aux
+    return chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=TOKEN_AXES,
+                                 vocab_axis=TENSOR, chunk_tokens=self.config.loss_chunk_tokens), aux
+
+  def head_DV(self):
+    """The LM head in the compute dtype (the embedding's transpose when tied)."""
+    return self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
+
+  def hidden_and_aux(self, tokens_BS):
+    """(final normed hidden states [B, S, D], router losses of the MoE layers: Hugging Face's load-balancing loss
+    over every layer's routing (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
     b, s = tokens_BS.shape
     tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
     x = self.cast(self.embed_VD)[tokens_BS]
@@ -371,12 +427,10 @@ class Qwen3MoE(_Layer):
       x, layer_auxes = layers(x, positions_BS)
       auxes += layer_auxes
     x = self.norm(x)
-    head = self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
     if not auxes:
-      return logits, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
-    return logits, {"load_balancing_loss": rm.load_balancing_loss(auxes),
-                    "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
+      return x, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
+    return x, {"load_balancing_loss": rm.load_balancing_loss(auxes),
+               "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
 
 
 def create_sharded(config, mesh, seed=0):

@@ -112,7 +112,7 @@ def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh, scan_layers):
 
 def test_layer_groups_split_at_every_change_of_kind():
   config = qwen3.load_config("tiny", num_hidden_layers=7, mlp_only_layers=[2],
-                             remat_attention=[False, False, False, True, True, False, False])
+                             remat=["none"] * 3 + ["attention"] * 2 + ["none"] * 2)
   assert config.layer_groups() == [(0, 2), (2, 1), (3, 2), (5, 2)]
   assert dataclasses.replace(config, scan_layers=False).layer_groups() == [(i, 1) for i in range(7)]
 
@@ -142,10 +142,10 @@ def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
 
 def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   """The same parameters, stacked: the same loss and, stacked, the same gradients (float32), over stretches of
-  MoE, dense and rematerialised layers. (The dispatchers inside a scan: the tests above, whose tiny model is one
+  MoE and dense layers under every remat policy. (The dispatchers inside a scan: the tests above, whose tiny model is one
   stretch of two MoE layers.)"""
   config = qwen3.load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3], dispatcher="dense",
-                             remat_attention=[False, False, False, False, True], scan_layers=False)
+                             remat=["layer", "attention", "none", "none", "offload"], scan_layers=False)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
   params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
   unrolled_value, unrolled = _loss_and_grads(config, mesh, tokens, params)
@@ -174,7 +174,9 @@ def test_shipped_configs_load(name):
     (dict(num_key_value_heads=3), "num_key_value_heads=3"),
     (dict(dispatcher="ring_sideways"), "ring_sideways"),
     (dict(hidden_sizes=64), "hidden_sizes"),
-    (dict(remat_attention=[True]), "remat_attention has 1 entries"),
+    (dict(remat=["none"]), "remat has 1 entries"),
+    (dict(remat="everything"), "remat \\['everything'\\] unknown"),
+    (dict(loss_chunk_tokens=-1), "loss_chunk_tokens=-1"),
 ])
 def test_bad_model_config_is_named(changes, message):
   with pytest.raises(ValueError, match=message):

@@ -36,10 +36,11 @@ def make_optimizer(optim, total_steps):
 
 
 def loss_fn(params, graphdef, tokens_BS1, model_config):
-  """Next-token cross-entropy (float32) plus the router losses, as configured."""
+  """Next-token cross-entropy (float32, chunked: the full logits never exist) plus the router losses, as
+  configured."""
   model = nnx.merge(graphdef, nnx.State(params))
-  logits_BSV, aux = model.logits_and_aux(tokens_BS1[:, :-1])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, tokens_BS1[:, 1:]).mean()
+  ce_BS, aux = model.cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
+  ce = ce_BS.mean()
   loss = (ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"]
           + model_config.router_z_loss_coef * aux["router_z_loss"])
   return loss, dict(ce=ce, **aux)
@@ -60,14 +61,19 @@ def make_train_step(graphdef, optimizer, schedule, model_config):
   return train_step
 
 
-def model_flops_per_token(c, seq_len):
-  """Training FLOPs per token (3 × forward: matmuls and causal attention scores), without recompute."""
+def layer_forward_flops(c, seq_len, layer):
+  """(attention, MLP) forward FLOPs per token of one layer: matmuls, and causal attention scores; the MLP is the
+  router and top-k experts (plus the shared expert) on MoE layers, the dense SwiGLU elsewhere."""
   attn_dims = c.num_attention_heads * c.head_dim
   kv_dims = c.num_key_value_heads * c.head_dim
-  per_layer_attn = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + 2 * seq_len * attn_dims
-  moe = (2 * c.hidden_size * c.num_experts + c.num_experts_per_tok * 6 * c.hidden_size * c.moe_intermediate_size
-         + 6 * c.hidden_size * c.shared_expert_intermediate_size)
-  dense = 6 * c.hidden_size * c.intermediate_size
-  mlp = sum(moe if c.is_sparse(i) else dense for i in range(c.num_hidden_layers))
-  forward = c.num_hidden_layers * per_layer_attn + mlp + 2 * c.hidden_size * c.vocab_size
-  return 3 * forward
+  attention = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + 2 * seq_len * attn_dims
+  if c.is_sparse(layer):
+    return attention, (2 * c.hidden_size * c.num_experts + c.num_experts_per_tok * 6 * c.hidden_size
+                       * c.moe_intermediate_size + 6 * c.hidden_size * c.shared_expert_intermediate_size)
+  return attention, 6 * c.hidden_size * c.intermediate_size
+
+
+def model_flops_per_token(c, seq_len):
+  """Training FLOPs per token (3 × forward: matmuls and causal attention scores), without recompute."""
+  layers = sum(sum(layer_forward_flops(c, seq_len, i)) for i in range(c.num_hidden_layers))
+  return 3 * (layers + 2 * c.hidden_size * c.vocab_size)

@@ -1,0 +1,141 @@
+"""The chunked loss head against the plain one (optax over full float32 logits), values and gradients, with the
+vocabulary whole or split over the tensor axis; its memory (compile-only); and the model's remat policies, which
+must all compute the same loss and gradients, `offload` keeping the layer input in host memory."""
+
+import contextlib
+import dataclasses
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import assert_close, mesh_of
+from models import qwen3
+from models.loss import chunked_cross_entropy
+from train.config import MeshConfig
+from train.loop import build_mesh
+
+TOKEN_AXES = ("data", "expert")
+LOSS_RTOL = 1e-6  # float32: only the summation order differs
+
+
+def _plain(x, head, labels):
+  logits = jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32, precision="highest")
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+@pytest.mark.parametrize("mesh_shape,vocab_axis,chunk_tokens", [
+    ((2, 4, 1), None, 10),  # 10 tokens per device: 5 positions of the local batch of 2, a tail chunk of 2 of 37
+    ((2, 2, 2), "tensor", 16),  # vocabulary split over 'tensor'
+    ((2, 4, 1), None, 10_000),  # one chunk: the whole sequence
+])
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_axis, chunk_tokens):
+  mesh = mesh_of(mesh_shape, TOKEN_AXES + ("tensor",))
+  rng = np.random.default_rng(0)
+  b, s, d, v = 8, 37, 16, 64
+  x = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(d, v)) / 4, jnp.float32)
+  labels = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
+  weights = jnp.asarray(rng.normal(size=(b, s)), jnp.float32)  # a cotangent that differs per token
+
+  def chunked(x, head):
+    return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES, vocab_axis=vocab_axis,
+                                 chunk_tokens=chunk_tokens)
+
+  assert_close(jax.jit(chunked)(x, head), _plain(x, head, labels), LOSS_RTOL, "per-token loss")
+  weighted = lambda f: lambda x, head: jnp.sum(f(x, head) * weights)  # noqa: E731
+  ours = jax.jit(jax.grad(weighted(chunked), (0, 1)))(x, head)
+  ref = jax.jit(jax.grad(weighted(lambda x, head: _plain(x, head, labels)), (0, 1)))(x, head)
+  for name, a, r in zip(("dx", "dhead"), ours, ref):
+    assert a.dtype == r.dtype, name
+    assert_close(a, r, LOSS_RTOL, name)
+
+
+def test_chunked_loss_keeps_the_head_gradient_in_the_heads_dtype():
+  """A float32 head with bfloat16 activations: the head's gradient comes back float32 (accumulated in float32),
+  and close to the plain loss's (bfloat16 matmul inputs in both)."""
+  mesh = mesh_of((2, 4, 1), TOKEN_AXES + ("tensor",))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(8, 32, 16)), jnp.bfloat16)
+  head = jnp.asarray(rng.normal(size=(16, 128)) / 4, jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 128, (8, 32)), jnp.int32)
+  chunked = lambda x, head: chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES,  # noqa: E731
+                                                  chunk_tokens=8).mean()
+  dx, dhead = jax.jit(jax.grad(chunked, (0, 1)))(x, head)
+  ref_dx, ref_dhead = jax.jit(jax.grad(lambda x, head: _plain(x, head, labels).mean(), (0, 1)))(x, head)
+  assert (dx.dtype, dhead.dtype) == (jnp.bfloat16, jnp.float32)
+  assert_close(dx, ref_dx, 3e-2, "dx")
+  assert_close(dhead, ref_dhead, 3e-2, "dhead")
+
+
+def test_chunked_loss_never_holds_the_full_logits():
+  """Compile-only, one device: B·S = 4096 tokens over a vocabulary of 8192 (full float32 logits 128 MiB, and as
+  much again for their gradient); chunks of 256 tokens need a small fraction of that."""
+  mesh = mesh_of((1, 1, 1), TOKEN_AXES + ("tensor",))
+  b, s, d, v = 4, 1024, 64, 8192
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+  args = (spec((b, s, d), jnp.float32), spec((d, v), jnp.float32), spec((b, s), jnp.int32))
+
+  def temps(loss):
+    return jax.jit(jax.grad(lambda x, h, l: loss(x, h, l).mean(), (0, 1))).lower(*args).compile() \
+        .memory_analysis().temp_size_in_bytes
+
+  plain = temps(_plain)
+  chunked = temps(lambda x, h, l: chunked_cross_entropy(x, h, l, mesh=mesh, token_axes=TOKEN_AXES, chunk_tokens=256))
+  full_logits, chunk_logits = b * s * v * 4, 256 * v * 4
+  assert plain >= full_logits, plain
+  assert chunked <= 3 * chunk_logits and chunked * 4 <= full_logits, (chunked, chunk_logits, full_logits)
+
+
+@pytest.fixture(scope="module")
+def model_setup():
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  config = qwen3.load_config("tiny", num_hidden_layers=2, loss_chunk_tokens=0)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 33)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  return mesh, config, tokens, params
+
+
+def _model_loss(config, mesh, tokens):
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+
+  def loss(params):
+    ce, aux = nnx.merge(graphdef, nnx.State(params)).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
+    return ce.mean() + 0.01 * aux["load_balancing_loss"]
+
+  return loss
+
+
+def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup):
+  """Full logits with nothing recomputed against chunks of 24 tokens per device (a tail chunk) with the whole layer
+  recomputed in layer 0 and its input offloaded in layer 1. (Policies inside scanned stretches: test_model.)"""
+  mesh, config, tokens, _ = model_setup
+  config = dataclasses.replace(config, scan_layers=False)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(_model_loss(config, mesh, tokens)))(params)
+  frugal = dataclasses.replace(config, loss_chunk_tokens=24, remat=("layer", "offload"))
+  value, grads = jax.jit(jax.value_and_grad(_model_loss(frugal, mesh, tokens)))(params)
+  assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("policy,on_host", [("offload", True), ("layer", False)])
+def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_setup, policy, on_host):
+  """What the step saves for backward (jaxpr level; XLA:CPU then ignores memory spaces, GPUs honour them): under
+  `offload` the stacked layer inputs [layers, B, S, D] live in host memory, under `layer` on the device."""
+  mesh, config, tokens, params = model_setup
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(_model_loss(dataclasses.replace(config, remat=policy), mesh, tokens), params)
+  b, s, d = tokens.shape[0], tokens.shape[1] - 1, config.hidden_size
+  stacked_inputs = f"[{config.num_hidden_layers},{b},{s},{d}]"
+  lines = [line for line in out.getvalue().splitlines() if stacked_inputs in line]
+  assert lines, out.getvalue()
+  assert all(("<host>" in line) == on_host for line in lines), lines
