@@ -1,6 +1,8 @@
-"""`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config.
+"""`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config;
+`relaymoe-plan`: what fits on the devices (the activation planner, `train.plan`).
 
     relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume] [--compile-only] [key=value ...]
+    relaymoe-plan [--config FILE] [--maximize seq|batch] [--variants ring,a2a_dropless,a2a_cf1] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
 on 8 emulated CPU devices. Multi-process: pass --coordinator/--num-processes/--process-id (or set
@@ -39,8 +41,8 @@ def _start_distributed(args, jax):
     jax.distributed.initialize()  # JAX reads the SLURM environment
 
 
-def main(argv=None):
-  args = _parse(sys.argv[1:] if argv is None else argv)
+def _start(args, overrides):
+  """JAX started (emulated CPU devices, distributed), and the run config with `overrides` applied."""
   # Only the CPU platform reads this; on GPUs it changes nothing. It must be set before JAX starts.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
@@ -48,16 +50,23 @@ def main(argv=None):
 
   _start_distributed(args, jax)
   from train.config import load_run_config  # noqa: PLC0415
-  from train.loop import memory_plan, run  # noqa: PLC0415
 
-  overrides = list(args.overrides)
-  if args.steps is not None:
-    overrides.append(f"steps={args.steps}")
   if args.out:
     overrides.append(f"out_dir={args.out}")
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+  return jax, config
+
+
+def main(argv=None):
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  overrides = list(args.overrides)
+  if args.steps is not None:
+    overrides.append(f"steps={args.steps}")
+  jax, config = _start(args, overrides)
+  from train.loop import memory_plan, run  # noqa: PLC0415
+
   if args.compile_only:
     _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
     return
@@ -82,6 +91,54 @@ def _report_plan(plan, out_dir, write):
   path = pathlib.Path(out_dir) / "memory_plan.json"
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(plan, indent=1))
+
+
+def _parse_plan(argv):
+  parser = argparse.ArgumentParser(prog="relaymoe-plan", description=(
+      "Per device: the memory of the train step and the cheapest remat plan that fits, for the run's ring and for "
+      "all-to-all (dropless, capacity 1.0) side by side; with --maximize, the longest sequence at micro-batch 1 "
+      "per token shard (seq) or the largest batch (batch) each one fits. Nothing is allocated."))
+  parser.add_argument("--config", help="run config: a YAML path or a name under configs/runs/")
+  parser.add_argument("--maximize", choices=("seq", "batch"))
+  parser.add_argument("--variants", default="ring,a2a_dropless,a2a_cf1",
+                      help="comma list of: ring (the run's ring dispatcher), a2a_dropless, a2a_cf1")
+  parser.add_argument("--granule", type=int, help="search step: sequence positions (default 1024) or micro-batches "
+                      "per token shard (default 1)")
+  parser.add_argument("--topology", help="compile for a GPU host that is not this one, e.g. 1x1x8 (slices x hosts x "
+                      "GPUs per host); needs the CUDA plugin, not the GPUs")
+  parser.add_argument("--target-config", help="with --topology: a GpuTargetConfigProto text file (default: this "
+                      "machine's GPU)")
+  parser.add_argument("--out", help="write plan.json here (default: the run's out_dir)")
+  parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
+  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
+  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
+  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
+  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  return parser.parse_intermixed_args(argv)
+
+
+def plan_main(argv=None):
+  """`relaymoe-plan`: prints the side-by-side plan table and writes OUT/plan.json."""
+  args = _parse_plan(sys.argv[1:] if argv is None else argv)
+  jax, config = _start(args, list(args.overrides))
+  from train import plan  # noqa: PLC0415
+
+  devices = plan.topology_devices(args.topology, args.target_config) if args.topology else None
+  quiet = jax.process_index() != 0
+  results = plan.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
+                        devices=devices, log=(lambda *_: None) if quiet else print)
+  if quiet:
+    return
+  table = plan.render(results)
+  print(table)
+  path = pathlib.Path(config.out_dir) / "plan.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(dict(
+      config=args.config, overrides=args.overrides, maximize=args.maximize, topology=args.topology,
+      devices=len(devices) if devices else jax.device_count(), backend=jax.default_backend(),
+      device_kind=(devices or jax.devices())[0].device_kind, jax=jax.__version__,
+      variants={k: dict(v, plan=v["plan"] and v["plan"].as_dict()) for k, v in results.items()}), indent=1))
+  print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import dataclasses
 
 from models.config import from_mapping, override, parse_assignment, read_yaml
+from models.qwen3 import REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,11 @@ class RunConfig:
   model: str = "tiny"  # a name under configs/models/ or a YAML path
   model_overrides: dict = dataclasses.field(default_factory=dict)  # any model-config key
   dispatcher: str = ""  # overrides the model config's MoE dispatcher when set
+  # What backward recomputes in every layer (a `models.qwen3.REMAT_POLICIES` name), overriding the model config's;
+  # "auto": the cheapest plan that fits the device (`train.plan`), chosen at start and stored in run_config.json.
+  remat: str = ""
+  device_memory_gib: float = 0.0  # per device, for the fit check and `remat: auto`; 0 = the allocator's limit
+  memory_headroom: float = 0.03  # of that limit, kept free by plans for what XLA's buffer assignment leaves out
   mesh: MeshConfig = MeshConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
@@ -75,6 +81,11 @@ class RunConfig:
         raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
     if self.steps < 0:
       raise ValueError(f"steps={self.steps} must be ≥ 0")
+    if self.remat not in ("", "auto", *REMAT_POLICIES):
+      raise ValueError(f"remat={self.remat!r} must be auto or one of {list(REMAT_POLICIES)} (or empty: the "
+                       "model config's)")
+    if not 0 <= self.memory_headroom < 1:
+      raise ValueError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
 
 
 def load_run_config(path_or_name="default", overrides=()):

@@ -5,6 +5,7 @@ import json
 import math
 import pathlib
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,8 @@ def model_config_for(run):
   overrides = dict(run.model_overrides)
   if run.dispatcher:
     overrides["dispatcher"] = run.dispatcher
+  if run.remat and run.remat != "auto":  # auto is resolved by `run` (train.plan) before the model is built
+    overrides["remat"] = run.remat
   return qwen3.load_config(run.model, **overrides)
 
 
@@ -192,12 +195,21 @@ def abstract_train_state(model_config, mesh, optimizer, seed=0):
   return graphdef, TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
 
 
-def memory_plan(run_config: RunConfig):
-  """Compiles the train step from shapes alone (no parameter is made) and returns its per-device memory in bytes:
-  the training state (parameters and optimizer moments, exact), XLA's compiled temporaries and the total
-  (arguments + outputs + temporaries − donated), with the device's allocator limit where it reports one (GPU) and
-  the compile time. Whether a configuration fits, before it allocates anything (`relaymoe-train --compile-only`)."""
-  mesh = build_mesh(run_config.mesh)
+class CompiledStep(NamedTuple):
+  """The train step compiled from shapes alone, before anything is allocated."""
+
+  compiled: jax.stages.Compiled
+  graphdef: nnx.GraphDef
+  state: TrainState  # ShapeDtypeStructs with the shardings the real state gets
+  mesh: jax.sharding.Mesh
+  model_config: qwen3.Qwen3MoEConfig
+  compile_s: float
+
+
+def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
+  """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
+  --topology`): nothing runs."""
+  mesh = build_mesh(run_config.mesh, devices)
   model_config = model_config_for(run_config)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   graphdef, state = abstract_train_state(model_config, mesh, optimizer, run_config.seed)
@@ -207,42 +219,75 @@ def memory_plan(run_config: RunConfig):
                                sharding=NamedSharding(mesh, P(qwen3.TOKEN_AXES, None)))
   start = time.perf_counter()
   compiled = step_fn.lower(state, batch).compile()
+  return CompiledStep(compiled, graphdef, state, mesh, model_config, time.perf_counter() - start)
+
+
+def memory_plan(run_config: RunConfig, step: CompiledStep | None = None, devices=None):
+  """Compiles the train step from shapes alone (no parameter is made) and returns its per-device memory in bytes:
+  the training state (parameters and optimizer moments, exact), XLA's compiled temporaries and the total
+  (arguments + outputs + temporaries − donated), with the device's allocator limit where it reports one (GPU) and
+  the compile time. Whether a configuration fits, before it allocates anything (`relaymoe-train --compile-only`)."""
+  step = step or compile_step(run_config, devices)
   limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
   return dict(
-      devices=jax.device_count(), mesh=dict(mesh.shape), layers=model_config.num_hidden_layers,
-      compile_s=time.perf_counter() - start,
-      state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)),
-      temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), total_bytes=rm.compiled_bytes(compiled),
-      device_limit_bytes=min(limits) if all(limits) else None)
+      devices=jax.device_count(), mesh=dict(step.mesh.shape), layers=step.model_config.num_hidden_layers,
+      batch_size=run_config.batch_size, seq_len=run_config.seq_len, remat=step.model_config.remat,
+      compile_s=step.compile_s,
+      state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                      for x in jax.tree.leaves(step.state)),
+      temp_bytes=int(step.compiled.memory_analysis().temp_size_in_bytes),
+      total_bytes=rm.compiled_bytes(step.compiled), device_limit_bytes=min(limits) if all(limits) else None)
+
+
+class StepDoesNotFit(RuntimeError):
+  """The compiled train step needs more memory per device than the device has."""
+
+
+def check_fits(run_config: RunConfig, step: CompiledStep):
+  """Raises StepDoesNotFit, with the numbers and the planner's suggestion, when the compiled step's bytes exceed
+  the device's limit (`device_memory_gib`, else the allocator's; no limit known: no check)."""
+  from train.plan import device_limit_bytes, suggest  # noqa: PLC0415  (train.plan builds on this module)
+  limit = device_limit_bytes(run_config)
+  plan = memory_plan(run_config, step)
+  if limit is None or plan["total_bytes"] <= limit:
+    return plan
+  gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+  raise StepDoesNotFit(
+      f"the train step needs {gib(plan['total_bytes'])} per device (training state {gib(plan['state_bytes'])}, "
+      f"temporaries {gib(plan['temp_bytes'])}) and the device allows {gib(limit)}: batch_size="
+      f"{run_config.batch_size} seq_len={run_config.seq_len} remat={_remat_name(step.model_config.remat)} "
+      f"does not fit. {suggest(run_config)}")
+
+
+def _remat_name(remat):
+  return remat if isinstance(remat, str) else ",".join(remat)
 
 
 def run(run_config: RunConfig, *, resume=False):
   """Trains as configured; returns the logged metrics (a list of dicts). Raises FloatingPointError on a
   non-finite loss, keeping the last good checkpoint."""
-  mesh = build_mesh(run_config.mesh)
+  from train.plan import resolve_remat  # noqa: PLC0415  (train.plan builds on this module)
+  run_config, remat_plan = resolve_remat(run_config)
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size)
-  model = qwen3.create_sharded(model_config, mesh, seed=run_config.seed)
-  graphdef, params = nnx.split(model)
+  if jax.process_index() == 0:
+    print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
+          flush=True)
+  step = compile_step(run_config)
+  check_fits(run_config, step)  # before anything is allocated
+  compiled, graphdef, mesh, compile_s = step.compiled, step.graphdef, step.mesh, step.compile_s
+  _, params = nnx.split(qwen3.create_sharded(model_config, mesh, seed=run_config.seed))
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   params = nnx.to_pure_dict(params)
   # Eager init: zeros_like keeps each parameter's sharding for its optimizer moments (a jitted init would not).
   state = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
   out = pathlib.Path(run_config.out_dir)
   checkpoints = Checkpoints(out / "checkpoints", run_config.keep_checkpoints)
   start = 0
   if resume:
     state, meta = checkpoints.restore(state)
     start = int(meta["next_batch"])
-  step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh)
   b, s = run_config.batch_size, run_config.seq_len
-  if jax.process_index() == 0:
-    print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
-          flush=True)
-  compile_start = time.perf_counter()
-  compiled = step_fn.lower(state, global_batch(source.batch(start, b, s), mesh)).compile()
-  compile_s = time.perf_counter() - compile_start
   flops_per_step = model_flops_per_token(model_config, s) * b * s
   peak_tflops = _peak_tflops(run_config)
   plan = dispatch_plan(model_config, run_config, mesh)
@@ -250,7 +295,8 @@ def run(run_config: RunConfig, *, resume=False):
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
-        entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict()), indent=1, default=str))
+        entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict(),
+        remat_plan=remat_plan and remat_plan.as_dict()), indent=1, default=str))
     print(f"compiled in {compile_s:.1f} s", flush=True)
     if plan:
       print(f"MoE dispatcher {model_config.dispatcher}; ring volume model prefers {plan.reason}", flush=True)

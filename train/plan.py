@@ -1,0 +1,334 @@
+"""The activation planner (RelayMoE §3.4, extended): per layer, what backward recomputes, chosen from the compiled
+step's memory, and the longest sequence or largest micro-batch that fits.
+
+Every number comes from XLA's buffer assignment of the real train step compiled from shapes alone
+(`train.loop.memory_plan`: nothing is allocated). The plan starts from the most frugal choice for every layer
+(`offload` where the device has host memory to offload to, else `layer`), compiles the step once per uniform
+policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
+until the budget is spent, as the paper does; the chosen plan is compiled once more to confirm it fits (and
+stepped back while it does not). Time saved is estimated from the model's FLOPs (`train.step.layer_forward_flops`)
+at the device's peak and, for `offload`, the layer input's round trip over the host link.
+"""
+
+import dataclasses
+import math
+
+import jax
+
+from models import qwen3
+from train.config import RunConfig
+from train.loop import build_mesh, memory_plan
+from train.step import layer_forward_flops
+
+HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
+# What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
+FRUGAL_FIRST = ("offload", "layer", "attention", "none")
+
+
+def offload_supported():
+  """Offloading helps where the device has a host memory of its own to move activations to: GPUs (pinned host
+  memory). On CPU devices `pinned_host` is the same RAM, so it saves nothing and `layer` is the frugal choice."""
+  device = jax.local_devices()[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  return jax.default_backend() != "cpu" and "pinned_host" in kinds
+
+
+def policies():
+  """The choices the planner considers on this platform, cheapest memory first."""
+  return FRUGAL_FIRST if offload_supported() else FRUGAL_FIRST[1:]
+
+
+def device_limit_bytes(run_config: RunConfig):
+  """The memory a step may use per device: `device_memory_gib` if set, else the allocator's limit (GPU), else
+  None (CPU devices report none)."""
+  if run_config.device_memory_gib:
+    return int(run_config.device_memory_gib * 2**30)
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  return min(limits) if all(limits) else None
+
+
+def with_remat(run_config, remat):
+  """The run with every layer's policy set (a name for all layers, or one per layer)."""
+  return dataclasses.replace(run_config, remat="", model_overrides={**run_config.model_overrides, "remat": remat})
+
+
+@dataclasses.dataclass
+class Plan:
+  """A remat choice per layer for one run shape, with the compiled step's bytes per device."""
+
+  remat: tuple[str, ...]
+  batch_size: int
+  seq_len: int
+  state_bytes: int
+  temp_bytes: int
+  total_bytes: int
+  budget_bytes: int
+  fits: bool
+  compiles: list = dataclasses.field(default_factory=list)  # (what was compiled, total bytes) in order
+
+  def summary(self):
+    counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
+    return ", ".join(f"{n} × {p}" for p, n in counts.items())
+
+  def as_dict(self):
+    return dict(dataclasses.asdict(self), summary=self.summary())
+
+
+class Planner:
+  """Compiles train steps of one run config (and variations of it) and remembers what each needed."""
+
+  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None):
+    self.run_config = run_config
+    self.devices = devices
+    self.budget_bytes = budget_bytes
+    self.log = log
+    self.compiles = []
+    self._measured = {}
+
+  def measure(self, remat, **changes):
+    """memory_plan of the run with `remat` and the given RunConfig changes (batch_size, seq_len); each compiled
+    once."""
+    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat))
+    key = str(sorted(what.items()))
+    if key in self._measured:
+      return self._measured[key]
+    config = with_remat(dataclasses.replace(self.run_config, **changes), remat)
+    plan = self._measured[key] = memory_plan(config, devices=self.devices)
+    self.compiles.append((what, plan["total_bytes"]))
+    self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
+             f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
+    return plan
+
+  def fits(self, plan):
+    return plan["total_bytes"] <= self.budget_bytes
+
+  def plan(self, **changes):
+    """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
+    fitting, when even that does not fit)."""
+    layers = qwen3.load_config(self.run_config.model, **self.run_config.model_overrides).num_hidden_layers
+    choices = policies()
+    uniform = {"none": self.measure("none", **changes)}
+    if self.fits(uniform["none"]):  # nothing to plan
+      return self._result(("none",) * layers, uniform["none"], changes)
+    for policy in choices[:-1]:
+      uniform[policy] = self.measure(policy, **changes)
+    if not self.fits(uniform[choices[0]]):
+      return self._result((choices[0],) * layers, uniform[choices[0]], changes)
+    remat = self._greedy(uniform, layers, changes)
+    while True:
+      plan = uniform[remat[0]] if len(set(remat)) == 1 else self.measure(remat, **changes)
+      if self.fits(plan):
+        return self._result(remat, plan, changes)
+      remat = _step_back(remat, choices)
+
+  def _greedy(self, uniform, layers, changes):
+    """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
+    byte while the budget allows. Bytes per layer of a policy: its uniform step's bytes over the frugal one's,
+    divided among the layers."""
+    choices = policies()
+    frugal = choices[0]
+    base = uniform[frugal]["total_bytes"]
+    extra_bytes = {p: max((uniform[p]["total_bytes"] - base) / layers, 1.0) for p in choices}
+    extra_bytes[frugal] = 0.0
+    seconds = self._recompute_seconds(changes)
+    options = sorted(((seconds[frugal] - seconds[p]) / extra_bytes[p], p) for p in choices[1:])
+    slack = self.budget_bytes - base
+    chosen = [frugal] * layers
+    for _, policy in reversed(options):
+      for i in range(layers):
+        cost = extra_bytes[policy] - extra_bytes[chosen[i]]
+        if seconds[policy] < seconds[chosen[i]] and cost <= slack:
+          slack -= cost
+          chosen[i] = policy
+    # Keep layers of one policy together (one scanned stretch each); the layers are alike, so order is free.
+    return tuple(sorted(chosen, key=choices.index))
+
+  def _recompute_seconds(self, changes):
+    """Estimated backward recompute time per layer of each policy on this run (the mean over layers)."""
+    run = dataclasses.replace(self.run_config, **changes)
+    c = qwen3.load_config(run.model, **run.model_overrides)
+    mesh = build_mesh(run.mesh, self.devices)
+    tokens = run.batch_size * run.seq_len / math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+    attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
+                                                                    for i in range(c.num_hidden_layers))))
+    peak = _peak_flops(run)
+    layer_input_bytes = tokens * c.hidden_size * jax.numpy.dtype(c.dtype).itemsize
+    recompute_layer = tokens * (attention + mlp) / peak
+    return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
+            "offload": recompute_layer + 2 * layer_input_bytes / HOST_LINK_BYTES_PER_S}
+
+  def _result(self, remat, plan, changes):
+    run = dataclasses.replace(self.run_config, **changes)
+    return Plan(remat=tuple(remat), batch_size=run.batch_size, seq_len=run.seq_len,
+                state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
+                budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles))
+
+  def maximize(self, key, granule):
+    """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
+    plan. Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
+    granule, or 1/32 of the size when that is more. Returns (plan or None, the smallest size found not to fit)."""
+    frugal = policies()[0]
+    sizes = {}
+
+    def fits_at(n):
+      sizes[n] = self.measure(frugal, **{key: n})["total_bytes"]
+      return sizes[n] <= self.budget_bytes
+
+    lo, hi = 0, None
+    n = max(granule, getattr(self.run_config, key) // granule * granule)
+    while True:
+      lo, hi = (n, hi) if fits_at(n) else (lo, n)
+      step = max(granule, lo // 32 // granule * granule)
+      if lo == 0 and hi == granule:
+        return None, hi
+      if hi is not None and hi - lo <= step:
+        return self.plan(**{key: lo}), hi
+      n = self._next_size(sizes, lo, hi, step, granule)
+
+  def _next_size(self, sizes, lo, hi, step, granule):
+    """Where the line through the two measured sizes nearest the bracket meets the budget, kept at least a step
+    inside the bracket (and at most 8 × lo while nothing is known not to fit)."""
+    top = hi - step if hi is not None else max(8 * lo, granule)
+    bottom = lo + step if lo else granule
+    guess = (lo + top) / 2 if hi is not None else 2 * lo
+    near = sorted(sizes, key=lambda n: abs(n - (lo or hi)))[:2]
+    if len(near) == 2 and sizes[near[0]] != sizes[near[1]]:
+      (a, bytes_a), (b, bytes_b) = sorted((n, sizes[n]) for n in near)
+      guess = a + (self.budget_bytes - bytes_a) * (b - a) / (bytes_b - bytes_a)
+    return int(min(max(guess, bottom), top)) // granule * granule or granule
+
+
+def _compact(remat):
+  return ",".join(f"{p}×{n}" for p, n in {p: remat.count(p) for p in dict.fromkeys(remat)}.items())
+
+
+def _step_back(remat, choices):
+  """One layer one policy more frugal: the last layer whose policy is not already the most frugal."""
+  remat = list(remat)
+  for i in range(len(remat) - 1, -1, -1):
+    level = choices.index(remat[i])
+    if level > 0:
+      remat[i] = choices[level - 1]
+      break
+  return tuple(sorted(remat, key=choices.index))
+
+
+def _peak_flops(run):
+  from train.loop import PEAK_TFLOPS  # noqa: PLC0415
+  if run.peak_tflops_per_device:
+    return run.peak_tflops_per_device * 1e12
+  kind = jax.devices()[0].device_kind
+  return 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in kind), 1.0)
+
+
+def budget_bytes(run_config, limit):
+  return int(limit * (1 - run_config.memory_headroom))
+
+
+def _planner(run_config, log=print, devices=None):
+  limit = device_limit_bytes(run_config)
+  if limit is None:
+    raise ValueError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
+                     "(e.g. device_memory_gib=132 for 95% of an H200)")
+  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices)
+
+
+def resolve_remat(run_config):
+  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan); other runs unchanged."""
+  if run_config.remat != "auto":
+    return run_config, None
+  from train.loop import StepDoesNotFit  # noqa: PLC0415
+  plan = _planner(run_config, log=_log_on_process_0).plan()
+  if not plan.fits:
+    raise StepDoesNotFit(f"remat=auto: even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} "
+                         f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
+  _log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
+                    f"{plan.budget_bytes / 2**30:.2f})")
+  return with_remat(run_config, plan.remat), plan
+
+
+def suggest(run_config):
+  """What the planner would change so that the run fits, in one sentence (it compiles a few variants)."""
+  plan = _planner(run_config, log=lambda *_: None).plan()
+  if plan.fits:
+    return (f"With remat=auto it fits: {plan.summary()}, {plan.total_bytes / 2**30:.2f} GiB per device "
+            f"(`relaymoe-plan` prints the plan).")
+  return (f"Even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} GiB per device. "
+          f"{_search_hint()}")
+
+
+def _search_hint():
+  return ("`relaymoe-plan --config RUN --maximize seq` (or batch) finds the longest sequence (largest micro-batch) "
+          "that fits.")
+
+
+def _log_on_process_0(message):
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+# The dispatchers `relaymoe-plan` puts side by side: the run's ring and the two all-to-alls a JAX user has.
+VARIANTS = {"ring": None, "a2a_dropless": {}, "a2a_cf1": {"capacity_factor": 1.0}}
+
+
+def variant_config(run_config, name):
+  """The run under one of VARIANTS: `ring` keeps the run's dispatcher if it is a ring (else ring_expert); the
+  all-to-alls keep only the grouped-matmul backend of the run's dispatcher options."""
+  if name not in VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
+  model = qwen3.load_config(run_config.model, **run_config.model_overrides)
+  dispatcher = run_config.dispatcher or model.dispatcher
+  if VARIANTS[name] is None:
+    return dataclasses.replace(run_config, dispatcher=dispatcher if dispatcher.startswith(("ring", "auto"))
+                               else "ring_expert")
+  backend = {k: v for k, v in model.dispatcher_options if k == "backend"}
+  return dataclasses.replace(run_config, dispatcher="all_to_all", model_overrides={
+      **run_config.model_overrides, "dispatcher_options": {**backend, **VARIANTS[name]}})
+
+
+def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None):
+  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at micro-batch 1 per
+  token shard, or (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
+  {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
+  results = {}
+  mesh = build_mesh(run_config.mesh, devices)
+  token_shards = math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+  for name in variants:
+    config = variant_config(run_config, name)
+    log(f"{name} ({config.dispatcher}):")
+    if maximize == "seq":
+      planner = _planner(dataclasses.replace(config, batch_size=token_shards), log, devices)
+      plan, above = planner.maximize("seq_len", granule or 1024)
+    elif maximize == "batch":
+      planner = _planner(config, log, devices)
+      plan, above = planner.maximize("batch_size", (granule or 1) * token_shards)
+    else:
+      plan, above = _planner(config, log, devices).plan(), None
+    results[name] = dict(dispatcher=config.dispatcher, plan=plan, not_fitting=above,
+                         options=dict(config.model_overrides.get("dispatcher_options", {})))
+  return results
+
+
+def render(results, maximize=None):
+  """The side-by-side table of `search`'s results."""
+  gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+  lines = ["| variant | dispatcher | batch | seq_len | remat | state GiB | temporaries GiB | total GiB | budget GiB "
+           "| fits | not fitting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, r in results.items():
+    p = r["plan"]
+    if p is None:
+      lines.append(f"| {name} | {r['dispatcher']} | — | — | nothing fits | | | | | no | {r['not_fitting']} |")
+      continue
+    lines.append(f"| {name} | {r['dispatcher']} | {p.batch_size} | {p.seq_len} | {p.summary()} | "
+                 f"{gib(p.state_bytes)} | {gib(p.temp_bytes)} | {gib(p.total_bytes)} | {gib(p.budget_bytes)} | "
+                 f"{'yes' if p.fits else 'no'} | {r['not_fitting'] or '—'} |")
+  return "\n".join(lines)
+
+
+def topology_devices(topology, target_config=None):
+  """Compile-only devices of a GPU host this machine is not (`topology` "1x1x8": slices x hosts x GPUs per host,
+  of this machine's GPU kind unless `target_config`, a GpuTargetConfigProto text file, says otherwise): the step
+  is compiled for them and never run."""
+  from jax.experimental import topologies  # noqa: PLC0415
+  kwargs = dict(target_config=open(target_config).read()) if target_config else {}
+  return topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs).devices
