@@ -139,3 +139,26 @@ def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_se
   lines = [line for line in out.getvalue().splitlines() if stacked_inputs in line]
   assert lines, out.getvalue()
   assert all(("<host>" in line) == on_host for line in lines), lines
+
+
+@pytest.mark.gpu
+def test_offload_on_a_gpu_moves_the_layer_inputs_to_the_host_and_changes_nothing():
+  """On a GPU the offloaded inputs leave the device (host bytes in the compiled step) and the gradients equal
+  those of keeping everything (XLA has had wrong-gradient bugs for offloaded scan residuals read backwards)."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("offload to pinned host memory acts on GPUs; run `pytest -m gpu` there")
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  config = qwen3.load_config("tiny", num_hidden_layers=3, dispatcher="ring_expert")
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (2, 65)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  results = {}
+  for policy in ("none", "offload"):
+    step = jax.jit(jax.value_and_grad(_model_loss(dataclasses.replace(config, remat=policy), mesh, tokens)))
+    compiled = step.lower(params).compile()
+    results[policy] = compiled(params), compiled.memory_analysis()
+  (ref_value, ref_grads), _ = results["none"]
+  (value, grads), memory = results["offload"]
+  assert memory.host_temp_size_in_bytes > 0, memory
+  assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))

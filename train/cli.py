@@ -104,6 +104,8 @@ def _parse_plan(argv):
                       help="comma list of: ring (the run's ring dispatcher), a2a_dropless, a2a_cf1")
   parser.add_argument("--granule", type=int, help="search step: sequence positions (default 1024) or micro-batches "
                       "per token shard (default 1)")
+  parser.add_argument("--no-upgrade", action="store_true", help="with --maximize: report the most frugal plan at "
+                      "the limit without compiling the uniform policies that would upgrade layers")
   parser.add_argument("--topology", help="compile for a GPU host that is not this one, e.g. 1x1x8 (slices x hosts x "
                       "GPUs per host); needs the CUDA plugin, not the GPUs")
   parser.add_argument("--target-config", help="with --topology: a GpuTargetConfigProto text file (default: this "
@@ -126,7 +128,7 @@ def plan_main(argv=None):
   devices = plan.topology_devices(args.topology, args.target_config) if args.topology else None
   quiet = jax.process_index() != 0
   results = plan.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
-                        devices=devices, log=(lambda *_: None) if quiet else print)
+                        devices=devices, log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
   table = plan.render(results)

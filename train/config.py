@@ -66,7 +66,7 @@ class RunConfig:
   steps: int = 300
   seed: int = 0
   log_every: int = 10
-  checkpoint_every: int = 100
+  checkpoint_every: int = 100  # and after the last step; 0: never (measurement runs)
   keep_checkpoints: int = 2
   out_dir: str = "runs/default"
   tensorboard: bool = True
@@ -76,7 +76,9 @@ class RunConfig:
   compilation_cache_dir: str = "~/.cache/relaymoe-jax/xla"
 
   def __post_init__(self):
-    for name in ("batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints"):
+    if self.checkpoint_every < 0:
+      raise ValueError(f"checkpoint_every={self.checkpoint_every} must be ≥ 0 (0: never)")
+    for name in ("batch_size", "seq_len", "log_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
     if self.steps < 0:

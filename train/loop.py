@@ -332,7 +332,8 @@ def run(run_config: RunConfig, *, resume=False):
         settle(*pending)
       pending = (step, metrics)
       log.advance()
-      if (step + 1) % run_config.checkpoint_every == 0 or step + 1 == run_config.steps:
+      every = run_config.checkpoint_every
+      if every and ((step + 1) % every == 0 or step + 1 == run_config.steps):
         settle(*pending)  # never save a state whose loss was not finite
         pending = None
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})

@@ -163,9 +163,10 @@ class Planner:
                 state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
                 budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles))
 
-  def maximize(self, key, granule):
+  def maximize(self, key, granule, upgrade=True):
     """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
-    plan. Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
+    plan (without `upgrade`: every layer at the most frugal policy, which saves the compiles of the uniform
+    policies; at the limit the slack is below one search step's bytes anyway). Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
     granule, or 1/32 of the size when that is more. Returns (plan or None, the smallest size found not to fit)."""
     frugal = policies()[0]
     sizes = {}
@@ -182,7 +183,10 @@ class Planner:
       if lo == 0 and hi == granule:
         return None, hi
       if hi is not None and hi - lo <= step:
-        return self.plan(**{key: lo}), hi
+        if upgrade:
+          return self.plan(**{key: lo}), hi
+        layers = qwen3.load_config(self.run_config.model, **self.run_config.model_overrides).num_hidden_layers
+        return self._result((frugal,) * layers, self.measure(frugal, **{key: lo}), {key: lo}), hi
       n = self._next_size(sizes, lo, hi, step, granule)
 
   def _next_size(self, sizes, lo, hi, step, granule):
@@ -286,7 +290,8 @@ def variant_config(run_config, name):
       **run_config.model_overrides, "dispatcher_options": {**backend, **VARIANTS[name]}})
 
 
-def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None):
+def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
+           upgrade=True):
   """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at micro-batch 1 per
   token shard, or (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
   {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
@@ -298,10 +303,10 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
     log(f"{name} ({config.dispatcher}):")
     if maximize == "seq":
       planner = _planner(dataclasses.replace(config, batch_size=token_shards), log, devices)
-      plan, above = planner.maximize("seq_len", granule or 1024)
+      plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
     elif maximize == "batch":
       planner = _planner(config, log, devices)
-      plan, above = planner.maximize("batch_size", (granule or 1) * token_shards)
+      plan, above = planner.maximize("batch_size", (granule or 1) * token_shards, upgrade)
     else:
       plan, above = _planner(config, log, devices).plan(), None
     results[name] = dict(dispatcher=config.dispatcher, plan=plan, not_fitting=above,

@@ -1,0 +1,294 @@
+"""The longest sequence that trains, per dispatcher: the expert ring against all-to-all (dropless, capacity 1.0).
+
+    python -m benchmarks.capacity [--config ep8] [--layers 4] [--start-seq 65536] [--granule 4096]
+                                  [--topology 1x1x8 --topology-layers 4,48] [--no-confirm]
+    python -m benchmarks.capacity --merge A.json B.json --out C.json   # one table from several runs
+
+Per dispatcher, `relaymoe-plan --maximize seq` (in parallel processes: compiling is CPU work) finds the longest
+sequence at micro-batch 1 per GPU whose compiled train step fits the device, with that dispatcher's own most
+frugal remat plan (`train.plan`); nothing is allocated. Then, on GPUs, each limit is confirmed by a real training
+step (`relaymoe-train`, one step, no checkpoint) and the first size above it is run with the fit check lifted to
+show that it really does not fit. `--topology 1x1x8` repeats the search compile-only for a host of eight GPUs of
+this machine's kind (JAX's deviceless compilation; nothing runs). A loss-head table compares the compiled
+temporaries of the plain loss (full float32 logits) and the chunked one at 65536 tokens.
+
+Writes JSON, a table whose last line is the summary, and a plot under benchmarks/results/.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+VARIANTS = ("ring", "a2a_dropless", "a2a_cf1")
+MEM_FRACTION = "0.95"  # of the GPU each process may allocate, as in benchmarks.moe_layer
+STEP_TIMEOUT_S = 420  # a confirming step (compiled beforehand) that has not finished by then is reported so
+
+
+def _env():
+  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION, **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None):
+  """One `relaymoe-plan --maximize seq` process per variant, started at once; `collect` waits for them."""
+  procs = {}
+  for variant in variants:
+    out = os.path.join(work, f"{topology or 'local'}_{layers}l_{variant}")
+    cmd = [sys.executable, "-c", "from train.cli import plan_main; plan_main()", "--config", config, "--maximize", "seq", "--no-upgrade",
+           "--variants", variant, "--granule", str(granule), "--out", out, f"model.num_hidden_layers={layers}",
+           f"seq_len={start_seq}", "compilation_cache_dir=''", *overrides,
+           *(["--topology", topology] if topology else [])]
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, "log.txt"), "w")
+    procs[variant] = (subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
+  return procs
+
+
+def collect(procs):
+  """{variant: its plan.json entry, or an error with the end of its log}."""
+  results = {}
+  for variant, (proc, out, log) in procs.items():
+    proc.wait()
+    log.close()
+    path = os.path.join(out, "plan.json")
+    if proc.returncode or not os.path.exists(path):
+      tail = open(os.path.join(out, "log.txt")).read()[-1500:]
+      results[variant] = dict(error=f"relaymoe-plan exited {proc.returncode}: {tail}")
+      continue
+    with open(path) as fh:
+      plan = json.load(fh)
+    results[variant] = dict(plan["variants"][variant], devices=plan["devices"], device_kind=plan["device_kind"])
+  return results
+
+
+def train_command(config, layers, found, seq_len, work, lift_fit_check, overrides=()):
+  """relaymoe-train for one step at seq_len with the variant's plan (the fit check lifted if asked)."""
+  plan = found["plan"]
+  options = json.dumps(found.get("options", {}))
+  remat = "[" + ",".join(plan["remat"]) + "]"
+  out = os.path.join(work, f"train_{found['dispatcher']}_{options.count('capacity')}_{seq_len}")
+  cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", "1", "--out", out,
+         f"model.num_hidden_layers={layers}", f"seq_len={seq_len}", f"batch_size={plan['batch_size']}",
+         f"dispatcher={found['dispatcher']}", f"model.dispatcher_options={options}", f"model.remat={remat}",
+         "checkpoint_every=0", "log_every=1", "tensorboard=false", "compilation_cache_dir=''", *overrides,
+         *(["device_memory_gib=100000"] if lift_fit_check else [])]
+  return cmd
+
+
+def train_once(config, layers, found, seq_len, work, lift_fit_check, overrides=()):
+  """One training step; dict(ran, peak GiB or None, seconds, the out-of-memory or last output line)."""
+  cmd = train_command(config, layers, found, seq_len, work, lift_fit_check, overrides)
+  out = cmd[cmd.index("--out") + 1]
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    return dict(ran=False, peak_gib=None, seconds=STEP_TIMEOUT_S, message=f"no result in {STEP_TIMEOUT_S} s")
+  seconds = time.perf_counter() - start
+  lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+  metrics = os.path.join(out, "metrics.jsonl")
+  peak = None
+  if proc.returncode == 0 and os.path.exists(metrics):
+    with open(metrics) as fh:
+      peak = json.loads(fh.readlines()[-1])["peak_memory_bytes"] / 2**30
+  oom = [line for line in lines if "RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower()]
+  return dict(ran=proc.returncode == 0, peak_gib=peak, seconds=round(seconds, 1),
+              message=(oom or lines or [""])[-1][:300])
+
+
+def confirm(config, layers, results, work, overrides=()):
+  """A real step at each variant's limit, and one at the first size found not to fit (fit check lifted). The
+  steps are first compiled in parallel processes into one compilation cache, then run one at a time from it."""
+  overrides = [*overrides, f"compilation_cache_dir={os.path.join(work, 'xla_cache')}"]
+  runs = [(variant, found, seq, lift) for variant, found in results.items() if found.get("plan")
+          for seq, lift in ((found["plan"]["seq_len"], False), (found.get("not_fitting"), True)) if seq]
+  compiles = [subprocess.Popen(train_command(config, layers, found, seq, work, lift, overrides) + ["--compile-only"],
+                               cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for _, found, seq, lift in runs]
+  for proc in compiles:
+    proc.wait()
+  for variant, found, seq, lift in runs:
+    found["above_limit" if lift else "at_limit"] = train_once(config, layers, found, seq, work, lift, overrides)
+    print(f"  {variant} at {seq}: {found['above_limit' if lift else 'at_limit']}", flush=True)
+
+
+def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024):
+  """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device: plain (full float32 logits) and
+  chunked. Compile-only."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from models.loss import chunked_cross_entropy  # noqa: PLC0415
+  axes = ("data", "expert", "tensor")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), axes)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+  b = tokens // seq_len
+  args = (spec((b, seq_len, d_model), jnp.bfloat16), spec((d_model, vocab), jnp.float32), spec((b, seq_len), jnp.int32))
+
+  def plain(x, head, labels):
+    logits = jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+  def chunked(x, head, labels):
+    return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=axes[:2], vocab_axis="tensor",
+                                 chunk_tokens=chunk_tokens)
+
+  def temps(loss):
+    step = jax.jit(jax.value_and_grad(lambda x, h, l: loss(x, h, l).mean(), (0, 1)))
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30
+
+  return dict(tokens=tokens, d_model=d_model, vocab=vocab, chunk_tokens=chunk_tokens, plain_temp_gib=temps(plain),
+              chunked_temp_gib=temps(chunked), full_logits_gib=tokens * vocab * 4 / 2**30)
+
+
+def machine():
+  import jax  # noqa: PLC0415
+  return dict(host=platform.node(), python=platform.python_version(), jax=jax.__version__,
+              backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind, devices=jax.device_count(),
+              mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
+
+
+def render(data):
+  lines = [f"# {data['command']}", f"# {json.dumps(data['machine'])}", "",
+           "| setting | variant | longest seq | plan | step GiB (compiled) | budget GiB | first not fitting | "
+           "real step at the limit | real step above it |", "|---|---|---|---|---|---|---|---|---|"]
+  for setting in data["settings"]:
+    for variant, r in setting["variants"].items():
+      name = setting["name"]
+      if "error" in r or not r.get("plan"):
+        lines.append(f"| {name} | {variant} | — | {r.get('error', 'nothing fits')[:80]} | | | | | |")
+        continue
+      p = r["plan"]
+      lines.append(f"| {name} | {variant} | {p['seq_len']} | {p['summary']} | {p['total_bytes'] / 2**30:.1f} | "
+                   f"{p['budget_bytes'] / 2**30:.1f} | {r.get('not_fitting')} | {_step(r.get('at_limit'))} | "
+                   f"{_step(r.get('above_limit'))} |")
+  head = data.get("loss_head")
+  if head:
+    lines += ["", f"Loss head fwd+bwd at {head['tokens']} tokens (D {head['d_model']}, vocab {head['vocab']}), "
+              f"compiled temporaries: plain {head['plain_temp_gib']:.1f} GiB (full float32 logits "
+              f"{head['full_logits_gib']:.1f} GiB), chunked ({head['chunk_tokens']} tokens) "
+              f"{head['chunked_temp_gib']:.2f} GiB."]
+  lines.append(summary(data))
+  return "\n".join(lines)
+
+
+def _step(r):
+  if not r:
+    return "—"
+  return f"ran, peak {r['peak_gib']:.1f} GiB, {r['seconds']:.0f} s" if r["ran"] else f"failed: {r['message'][:90]}"
+
+
+def summary(data):
+  """The line people read: the real-GPU setting (the first one searched on this machine's devices)."""
+  local = next((s for s in data["settings"] if not s.get("topology")), data["settings"][0])
+  seq = {v: (r.get("plan") or {}).get("seq_len", 0) for v, r in local["variants"].items()}
+  ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
+  return (f"summary: capacity model=qwen3_30b gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
+          f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
+
+
+def plot(data, path):
+  try:
+    import matplotlib  # noqa: PLC0415
+  except ImportError:
+    return
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  settings = data["settings"]
+  fig, ax = plt.subplots(figsize=(8, 4))
+  width = 0.8 / len(VARIANTS)
+  for i, variant in enumerate(VARIANTS):
+    values = [((s["variants"].get(variant) or {}).get("plan") or {}).get("seq_len", 0) / 1024 for s in settings]
+    ax.bar([j + i * width for j in range(len(settings))], values, width, label=variant)
+  ax.set_xticks([j + width for j in range(len(settings))], [s["name"] for s in settings], fontsize=8)
+  ax.set(ylabel="longest sequence (K tokens), micro-batch 1 per GPU", title="Qwen3-30B-A3B shape: what trains")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def write(data, out):
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as fh:
+    json.dump(data, fh, indent=1)
+  text = render(data)
+  with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
+    fh.write(text + "\n")
+  plot(data, os.path.splitext(out)[0] + ".png")
+  print(text)
+
+
+def merge(paths, out):
+  """Settings of several runs in one file (a later run's setting replaces an earlier one of the same name)."""
+  runs = [json.load(open(p)) for p in paths]
+  settings = {s["name"]: s for run in runs for s in run["settings"]}
+  data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths),
+              settings=list(settings.values()), merged_from=[r["command"] for r in runs])
+  data["loss_head"] = next((r["loss_head"] for r in reversed(runs) if r.get("loss_head")), None)
+  write(data, out)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="ep8")
+  parser.add_argument("--layers", type=int, default=4, help="layers for the search on this machine's devices")
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--start-seq", type=int, default=65536)
+  parser.add_argument("--granule", type=int, default=4096)
+  parser.add_argument("--topology", help="also search compile-only for this GPU host, e.g. 1x1x8")
+  parser.add_argument("--topology-layers", default="4,48")
+  parser.add_argument("--no-local", action="store_true", help="skip the search on this machine's devices")
+  parser.add_argument("--no-confirm", action="store_true", help="do not run real steps (CPU: never)")
+  parser.add_argument("--confirm-from", help="run only the real steps, for the limits of this earlier result")
+  parser.add_argument("--no-loss-head", action="store_true")
+  parser.add_argument("--work", default="/tmp/relaymoe_capacity")
+  parser.add_argument("--merge", nargs="+")
+  parser.add_argument("--out", default=os.path.join(RESULTS, "capacity.json"))
+  parser.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides for every run")
+  args = parser.parse_args(argv)
+  if args.merge:
+    return merge(args.merge, args.out)
+  import jax  # noqa: PLC0415
+  variants = args.variants.split(",")
+  data = dict(command="python -m benchmarks.capacity " + " ".join(sys.argv[1:] if argv is None else argv),
+              machine=machine(), settings=[])
+  searches = []  # (setting, processes): every search runs at once
+  if args.confirm_from:
+    with open(args.confirm_from) as fh:
+      local = next(s for s in json.load(fh)["settings"] if not s.get("topology"))
+  elif not args.no_local:
+    local = dict(layers=args.layers)
+    searches.append((local, start_search(args.config, args.layers, variants, args.work, args.start_seq,
+                                         args.granule, args.overrides)))
+  for layers in ([int(n) for n in args.topology_layers.split(",")] if args.topology else []):
+    setting = dict(name=f"{args.topology} compile-only {layers} layers", layers=layers, topology=args.topology)
+    searches.append((setting, start_search(args.config, layers, variants, args.work, args.start_seq, args.granule,
+                                           args.overrides, args.topology)))
+  if args.confirm_from:
+    confirm(args.config, local["layers"], local["variants"], args.work, args.overrides)
+    data["settings"].append(local)
+  for setting, procs in searches:
+    setting["variants"] = collect(procs)
+    setting["gpus"] = next((r["devices"] for r in setting["variants"].values() if "devices" in r), None)
+    if not setting.get("topology"):
+      kind = next((r["device_kind"] for r in setting["variants"].values() if "device_kind" in r), "?")
+      setting["name"] = f"{setting['gpus']}x{kind} {setting['layers']} layers"
+      if jax.default_backend() == "gpu" and not args.no_confirm:
+        confirm(args.config, setting["layers"], setting["variants"], args.work, args.overrides)
+    data["settings"].append(setting)
+    write(data, args.out)
+  if not args.no_loss_head:
+    data["loss_head"] = loss_head()
+  write(data, args.out)
+
+
+if __name__ == "__main__":
+  main()
