@@ -31,7 +31,9 @@ STEP_TIMEOUT_S = 420  # a confirming step (compiled beforehand) that has not fin
 
 
 def _env():
-  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION, **os.environ, "PYTHONUNBUFFERED": "1"}
+  # Several processes share the GPU while they compile: none may take its memory up front.
+  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION, **os.environ, "PYTHONUNBUFFERED": "1",
+          "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None):
