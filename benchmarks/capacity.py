@@ -36,9 +36,13 @@ def _env():
           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
-def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None):
-  """One `relaymoe-plan --maximize seq` process per variant, started at once; `collect` waits for them."""
+def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None, quiet=False):
+  """One `relaymoe-plan --maximize seq` process per variant, started at once; `collect` waits for them. `quiet`:
+  no autotuning, so the processes leave the GPU's memory alone while real steps run beside them."""
   procs = {}
+  env = _env()
+  if quiet:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   for variant in variants:
     out = os.path.join(work, f"{topology or 'local'}_{layers}l_{variant}")
     cmd = [sys.executable, "-c", "from train.cli import plan_main; plan_main()", "--config", config, "--maximize", "seq", "--no-upgrade",
@@ -47,7 +51,7 @@ def start_search(config, layers, variants, work, start_seq, granule, overrides=(
            *(["--topology", topology] if topology else [])]
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "log.txt"), "w")
-    procs[variant] = (subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
+    procs[variant] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
   return procs
 
 
@@ -189,9 +193,12 @@ def _step(r):
 
 
 def summary(data):
-  """The line people read: the real-GPU setting (the first one searched on this machine's devices)."""
-  local = next((s for s in data["settings"] if not s.get("topology")), data["settings"][0])
-  seq = {v: (r.get("plan") or {}).get("seq_len", 0) for v, r in local["variants"].items()}
+  """The line people read: per variant, the longest sequence over the settings on real GPUs (not a topology),
+  counting a limit only where its real step, if one was run, trained."""
+  local = [s for s in data["settings"] if not s.get("topology")] or data["settings"][:1]
+  seq = {v: max([(r.get("plan") or {}).get("seq_len", 0) for s in local for r in [s["variants"].get(v, {})]
+                 if (r.get("at_limit") or {"ran": True})["ran"]] or [0]) for v in VARIANTS}
+  local = local[0]
   ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
   return (f"summary: capacity model=qwen3_30b gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
           f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
@@ -249,7 +256,10 @@ def main(argv=None):
   parser.add_argument("--topology-layers", default="4,48")
   parser.add_argument("--no-local", action="store_true", help="skip the search on this machine's devices")
   parser.add_argument("--no-confirm", action="store_true", help="do not run real steps (CPU: never)")
-  parser.add_argument("--confirm-from", help="run only the real steps, for the limits of this earlier result")
+  parser.add_argument("--confirm-from", help="also run the real steps for the limits of this earlier result's "
+                      "setting --confirm-setting (its --variants only); searches started beside them do not autotune")
+  parser.add_argument("--confirm-setting", help="the name of that setting")
+  parser.add_argument("--ring-chunk-rows", type=int, help="the expert ring's chunk_rows (R) in every run")
   parser.add_argument("--no-loss-head", action="store_true")
   parser.add_argument("--work", default="/tmp/relaymoe_capacity")
   parser.add_argument("--merge", nargs="+")
@@ -263,26 +273,31 @@ def main(argv=None):
   data = dict(command="python -m benchmarks.capacity " + " ".join(sys.argv[1:] if argv is None else argv),
               machine=machine(), settings=[])
   searches = []  # (setting, processes): every search runs at once
+  overrides = list(args.overrides)
+  if args.ring_chunk_rows:  # the all-to-all variants keep only the backend of these options
+    overrides.append(f"model.dispatcher_options={{chunk_rows: {args.ring_chunk_rows}}}")
+  suffix = f", ring chunk_rows {args.ring_chunk_rows}" if args.ring_chunk_rows else ""
+  if not args.no_local:
+    local = dict(layers=args.layers, suffix=suffix)
+    searches.append((local, start_search(args.config, args.layers, variants, args.work, args.start_seq,
+                                         args.granule, overrides, quiet=bool(args.confirm_from))))
+  for layers in ([int(n) for n in args.topology_layers.split(",")] if args.topology else []):
+    setting = dict(name=f"{args.topology} compile-only {layers} layers{suffix}", layers=layers,
+                   topology=args.topology)
+    searches.append((setting, start_search(args.config, layers, variants, args.work, args.start_seq, args.granule,
+                                           overrides, args.topology, quiet=bool(args.confirm_from))))
   if args.confirm_from:
     with open(args.confirm_from) as fh:
-      local = next(s for s in json.load(fh)["settings"] if not s.get("topology"))
-  elif not args.no_local:
-    local = dict(layers=args.layers)
-    searches.append((local, start_search(args.config, args.layers, variants, args.work, args.start_seq,
-                                         args.granule, args.overrides)))
-  for layers in ([int(n) for n in args.topology_layers.split(",")] if args.topology else []):
-    setting = dict(name=f"{args.topology} compile-only {layers} layers", layers=layers, topology=args.topology)
-    searches.append((setting, start_search(args.config, layers, variants, args.work, args.start_seq, args.granule,
-                                           args.overrides, args.topology)))
-  if args.confirm_from:
-    confirm(args.config, local["layers"], local["variants"], args.work, args.overrides)
-    data["settings"].append(local)
+      earlier = next(s for s in json.load(fh)["settings"] if s["name"] == args.confirm_setting)
+    earlier["variants"] = {v: r for v, r in earlier["variants"].items() if v in variants}
+    confirm(args.config, earlier["layers"], earlier["variants"], args.work, args.overrides)
+    data["settings"].append(earlier)
   for setting, procs in searches:
     setting["variants"] = collect(procs)
     setting["gpus"] = next((r["devices"] for r in setting["variants"].values() if "devices" in r), None)
     if not setting.get("topology"):
       kind = next((r["device_kind"] for r in setting["variants"].values() if "device_kind" in r), "?")
-      setting["name"] = f"{setting['gpus']}x{kind} {setting['layers']} layers"
+      setting["name"] = f"{setting['gpus']}x{kind} {setting['layers']} layers{setting.pop('suffix')}"
       if jax.default_backend() == "gpu" and not args.no_confirm:
         confirm(args.config, setting["layers"], setting["variants"], args.work, args.overrides)
     data["settings"].append(setting)
