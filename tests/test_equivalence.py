@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import relaymoe_jax as rm
+import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
 
 F32_RTOL = 1e-5
 BF16_RTOL = 3e-2
 TOKENS, D_MODEL, D_FF = 64, 16, 24
-DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
+DIFF_ARGS = rmt.DIFF_ARGS
 
 E_ONLY, DATA_EXPERT = (rm.EXPERT,), (rm.DATA, rm.EXPERT)
 # (mesh shape, axis names, E, K, skewed routing, chunk_rows: one size or a ladder)
@@ -41,33 +42,9 @@ def _case_id(case):
       f"-R{'-'.join(map(str, rows)) if isinstance(rows, tuple) else rows}" if rows else "")
 
 
-def loss_and_grads(layer, mesh, dispatcher, **options):
-  """value_and_grad of Σ y·c (c a fixed random cotangent) w.r.t. x, w_TK and the expert weights, jitted."""
-  c_TD = jnp.asarray(np.random.default_rng(99).normal(size=layer["x_TD"].shape), jnp.float32)
-
-  def loss(x_TD, w_TK, w_gate, w_up, w_down):
-    y_TD = rm.moe_ffn(x_TD, layer["idx_TK"], w_TK, w_gate, w_up, w_down, mesh=mesh, dispatcher=dispatcher,
-                      **options)
-    return jnp.sum(y_TD.astype(jnp.float32) * c_TD), y_TD
-
-  fn = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))
-  (_, y_TD), grads = fn(*(layer[a] for a in DIFF_ARGS))
-  return y_TD, dict(zip(DIFF_ARGS, grads))
-
-
-def oracle(layer, mesh):
-  f32 = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in layer.items()}
-  return loss_and_grads(f32, mesh, "dense")
-
-
 def assert_matches_oracle(layer, mesh, rtol, dispatcher, **options):
-  y_ref, g_ref = oracle(layer, mesh)
-  y, g = loss_and_grads(layer, mesh, dispatcher, **options)
-  assert y.dtype == layer["x_TD"].dtype
-  assert_close(y, y_ref, rtol, "y_TD")
-  for name in DIFF_ARGS:
-    assert g[name].shape == layer[name].shape and g[name].dtype == layer[name].dtype, name
-    assert_close(g[name], g_ref[name], rtol, f"d {name}")
+  """The public `relaymoe_jax.testing.assert_matches_dense_oracle`, so every case here exercises it."""
+  rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher=dispatcher, rtol=rtol, **layer, **options)
 
 
 @pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
@@ -164,10 +141,10 @@ def test_capacity_factor_drops_overflow_like_gshard():
   layer = random_layer(11, TOKENS, D_MODEL, D_FF, 16, 4, skew=True)
   kept = dict(layer, w_TK=jnp.asarray(_capacity_kept_weights(layer, 8, 8, 1.0)))
   assert float(jnp.sum(kept["w_TK"] == 0)) > 0, "skewed routing must overflow capacity 1.0"
-  y, _ = loss_and_grads(layer, mesh, "all_to_all", capacity_factor=1.0)
-  y_kept, _ = oracle(kept, mesh)
+  y, _ = rmt.values_and_grads(layer, mesh=mesh, dispatcher="all_to_all", capacity_factor=1.0)
+  y_kept, _ = rmt.dense_oracle(kept, mesh=mesh)
   assert_close(y, y_kept, F32_RTOL, "y_TD with drops")
-  y_full, _ = oracle(layer, mesh)
+  y_full, _ = rmt.dense_oracle(layer, mesh=mesh)
   assert float(jnp.max(jnp.abs(y - y_full))) > 1e-3, "dropped pairs must change the output"
 
 
