@@ -93,7 +93,7 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
 
   Works on global `jax.Array`s, inside or outside `jax.jit`, under `jax.grad`; differentiable with respect to
   x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded. Zero tokens give an empty
-  y_TD (and zero expert-weight gradients) with every dispatcher.
+  y_TD (and zero expert-weight gradients) with every dispatcher, which is not run.
 
   Expert ids outside [0, E) raise a ValueError where idx_TK's values are known (an eager call, or a constant under
   `jit`); traced under `jit`, such a (token, expert) pair contributes nothing, with every dispatcher: no output,
@@ -132,9 +132,14 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
     _check_shared(x_TD, shared, shared_gate_D1)
   tok = layout.token_spec
   x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
-  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in zip((w_gate_EDF, w_up_EDF, w_down_EFD),
-                                                                                  layout.expert_specs))
-  y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
+  if x_TD.shape[0] == 0:
+    # Every device sees the same global T, so all skip together; XLA rejected the rings' shard_map over empty
+    # token shards (JAX 0.10.2), and there is nothing to send.
+    y_TD = layout.place(jnp.zeros_like(x_TD), tok)
+  else:
+    w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in
+                                        zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
+    y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
   if shared is not None:
     y_TD = y_TD + shared_expert(x_TD, *shared, shared_gate_D1)
   return y_TD
