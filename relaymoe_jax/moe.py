@@ -133,8 +133,8 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
   tok = layout.token_spec
   x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
   if x_TD.shape[0] == 0:
-    # Every device sees the same global T, so all skip together; XLA rejected the rings' shard_map over empty
-    # token shards (JAX 0.10.2), and there is nothing to send.
+    # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
+    # token ring's backward shard_map over empty shards (JAX 0.10.2: no GlobalToLocalShape for its operand).
     y_TD = layout.place(jnp.zeros_like(x_TD), tok)
   else:
     w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in

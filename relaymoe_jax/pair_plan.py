@@ -3,10 +3,10 @@
 No communication. The T·K pairs of this device are sorted by expert id once; only int32 indices are sorted, never
 a [T·K, D] activation copy. The pairs of the L experts of one partition then form one contiguous range.
 
-An expert id outside [0, E) (possible only under `jit`, where `moe_ffn` cannot check values) sorts as the
-sentinel E: after every partition's range and counted for no expert, so no hop, chunk or all-to-all slot ever
-reads it. Such a pair contributes nothing to the output and gets a zero router-weight gradient, as in the dense
-oracle, whose one-hot of an out-of-range id is all zeros.
+An expert id outside [0, E) (which reaches here only where `moe_ffn` cannot check values: traced under `jit`)
+sorts as the sentinel E: after every partition's range and counted for no expert, so no hop, chunk or all-to-all
+slot ever reads it. Such a pair contributes nothing to the output and gets a zero router-weight gradient, as in
+the dense oracle, whose one-hot of an out-of-range id is all zeros.
 """
 
 from typing import NamedTuple
