@@ -1,5 +1,7 @@
 """Every sharded dispatcher against the dense float32 oracle: outputs and gradients w.r.t. x, w_TK and every expert
-weight, on random data, uniform and skewed routing, over ring sizes 1–8 and ('expert',) / ('data', 'expert') meshes.
+weight, on random data, uniform and skewed routing, over ring sizes 1–8 and ('expert',) / ('data', 'expert') meshes,
+through the public `relaymoe_jax.testing` check; out-of-range expert ids under jit, zero tokens, and one trace for
+any routing of the same shapes.
 
 Tolerances (max |a − b| / max |b|): float32 ≤ 1e-5; bfloat16 inputs ≤ 3e-2 against the oracle run in float32 on
 the same bf16-rounded inputs.
