@@ -7,6 +7,8 @@ N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
     y_TD = moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh, dispatcher="ring_expert")
     step = jax.jit(loss_and_grads, compiler_options=COMPILER_OPTIONS)  # the rings' sends overlap compute on GPUs
+
+Checks for your own tests, against the dense oracle: `import relaymoe_jax.testing` (not imported here).
 """
 
 from relaymoe_jax.all_to_all import AllToAll

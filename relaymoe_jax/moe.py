@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
@@ -70,6 +71,20 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   if t % layout.token_shards:
     raise ValueError(f"T={t} tokens is not divisible by the {layout.token_shards} token shards of axes "
                      f"{layout.token_axes}")
+  _check_expert_ids(idx_TK, e)
+
+
+def _check_expert_ids(idx_TK, num_experts):
+  """Rejects ids outside [0, E) where their values are known here: not traced, and every shard on this process.
+  (Traced ids cannot be checked; the pair plan makes such a pair contribute nothing.)"""
+  if isinstance(idx_TK, jax.core.Tracer) or not getattr(idx_TK, "is_fully_addressable", True):
+    return
+  ids_TK = np.asarray(idx_TK)
+  bad = np.argwhere((ids_TK < 0) | (ids_TK >= num_experts))
+  if bad.size:
+    t, k = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise ValueError(f"idx_TK[{t}, {k}] = {ids_TK[t, k]} is not an expert id in [0, {num_experts}){more}")
 
 
 def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispatcher="ring_expert",
@@ -77,11 +92,16 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
   """The SwiGLU MoE block: y_TD = Σ_k w_TK[t,k] · SwiGLU_{idx_TK[t,k]}(x_TD[t]).
 
   Works on global `jax.Array`s, inside or outside `jax.jit`, under `jax.grad`; differentiable with respect to
-  x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded.
+  x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded. Zero tokens give an empty
+  y_TD (and zero expert-weight gradients) with every dispatcher, which is not run.
+
+  Expert ids outside [0, E) raise a ValueError where idx_TK's values are known (an eager call, or a constant under
+  `jit`); traced under `jit`, such a (token, expert) pair contributes nothing, with every dispatcher: no output,
+  a zero gradient for its router weight, and no effect on any other pair.
 
   Args:
     x_TD: tokens [T, D], float32 or bfloat16.
-    idx_TK: int expert ids [T, K] (from `route`).
+    idx_TK: int expert ids [T, K] in [0, E) (from `route`).
     w_TK: router weights [T, K], x's dtype.
     w_gate_EDF, w_up_EDF, w_down_EFD: SwiGLU expert weights, x's dtype.
     mesh: a `jax.sharding.Mesh` (Explicit axes from `jax.make_mesh`, or Auto).
@@ -96,6 +116,10 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
 
   Returns:
     y_TD in x's dtype, sharded over the token axes.
+
+  Raises:
+    ValueError: naming the bad value: shapes, dtypes, top-k, divisibility by the mesh axes, unknown dispatcher or
+      option, and (where known) expert ids out of range.
   """
   layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=tuple(token_axes or ()),
                         tensor_axis=tensor_axis)
@@ -108,9 +132,14 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
     _check_shared(x_TD, shared, shared_gate_D1)
   tok = layout.token_spec
   x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
-  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in zip((w_gate_EDF, w_up_EDF, w_down_EFD),
-                                                                                  layout.expert_specs))
-  y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
+  if x_TD.shape[0] == 0:
+    # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
+    # token ring's backward shard_map over empty shards (JAX 0.10.2: no GlobalToLocalShape for its operand).
+    y_TD = layout.place(jnp.zeros_like(x_TD), tok)
+  else:
+    w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in
+                                        zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
+    y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
   if shared is not None:
     y_TD = y_TD + shared_expert(x_TD, *shared, shared_gate_D1)
   return y_TD

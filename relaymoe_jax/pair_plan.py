@@ -2,6 +2,11 @@
 
 No communication. The T·K pairs of this device are sorted by expert id once; only int32 indices are sorted, never
 a [T·K, D] activation copy. The pairs of the L experts of one partition then form one contiguous range.
+
+An expert id outside [0, E) (which reaches here only where `moe_ffn` cannot check values: traced under `jit`)
+sorts as the sentinel E: after every partition's range and counted for no expert, so no hop, chunk or all-to-all
+slot ever reads it. Such a pair contributes nothing to the output and gets a zero router-weight gradient, as in
+the dense oracle, whose one-hot of an out-of-range id is all zeros.
 """
 
 from typing import NamedTuple
@@ -44,10 +49,14 @@ def partition_range(counts_E, p, experts_per_partition):
 
 
 def make_pair_plan(idx_TK, num_experts):
-  """Sorts this device's pairs by expert (stable, so token order is kept within an expert)."""
+  """Sorts this device's pairs by expert (stable, so token order is kept within an expert); out-of-range ids sort
+  last and are counted nowhere."""
   expert_P = idx_TK.reshape(-1).astype(jnp.int32)
+  # Left as they were, a negative id would sort first yet be counted for expert E + id (`.at` wraps it), shifting
+  # every partition's range by a pair and mixing other tokens' pairs into the wrong experts.
+  expert_P = jnp.where((expert_P >= 0) & (expert_P < num_experts), expert_P, num_experts)
   order_P = jnp.argsort(expert_P, stable=True).astype(jnp.int32)
-  counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_P].add(1)
+  counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_P].add(1, mode="drop")
   return PairPlan(order_P=order_P, counts_E=counts_E)
 
 

@@ -44,8 +44,11 @@ def load_balancing_loss(auxes):
 def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   """Chooses top_k experts per token.
 
+  Zero tokens give empty routing and zero statistics and losses (a layer that saw no tokens adds nothing to a
+  loss), not the NaN of a mean over nothing.
+
   Args:
-    x_TD: tokens, any float dtype.
+    x_TD: tokens, any floating dtype.
     router_DE: router weight (no bias).
     top_k: experts per token, 1 ≤ top_k ≤ E.
     norm_topk_prob: renormalise the k probabilities to sum to one (Qwen3 default).
@@ -55,6 +58,8 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   """
   if x_TD.ndim != 2 or router_DE.ndim != 2 or x_TD.shape[1] != router_DE.shape[0]:
     raise ValueError(f"route expects x_TD [T, D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
+  if not jnp.issubdtype(x_TD.dtype, jnp.floating):
+    raise ValueError(f"route expects floating-point x_TD; got dtype {x_TD.dtype}")
   num_experts = router_DE.shape[1]
   if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k={top_k} must be between 1 and the number of experts E={num_experts}")
@@ -65,12 +70,13 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   if norm_topk_prob:
     w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
   counts_E = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=jnp.int32), axis=(0, 1))
-  fraction_E = counts_E.astype(jnp.float32) / x_TD.shape[0]
-  mean_prob_E = jnp.mean(probs_TE, axis=0)
+  tokens = max(x_TD.shape[0], 1)  # means over tokens: 0 over none
+  fraction_E = counts_E.astype(jnp.float32) / tokens
+  mean_prob_E = jnp.sum(probs_TE, axis=0) / tokens
   aux = RouterAux(
       load_balancing_loss=num_experts * jnp.sum(fraction_E * mean_prob_E),
       expert_counts_E=counts_E,
-      z_loss=jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2),
+      z_loss=jnp.sum(jax.nn.logsumexp(logits_TE, axis=-1) ** 2) / tokens,
       fraction_E=fraction_E,
       mean_prob_E=mean_prob_E,
   )

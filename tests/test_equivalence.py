@@ -1,5 +1,7 @@
 """Every sharded dispatcher against the dense float32 oracle: outputs and gradients w.r.t. x, w_TK and every expert
-weight, on random data, uniform and skewed routing, over ring sizes 1–8 and ('expert',) / ('data', 'expert') meshes.
+weight, on random data, uniform and skewed routing, over ring sizes 1–8 and ('expert',) / ('data', 'expert') meshes,
+through the public `relaymoe_jax.testing` check; out-of-range expert ids under jit, zero tokens, and one trace for
+any routing of the same shapes.
 
 Tolerances (max |a − b| / max |b|): float32 ≤ 1e-5; bfloat16 inputs ≤ 3e-2 against the oracle run in float32 on
 the same bf16-rounded inputs.
@@ -7,18 +9,20 @@ the same bf16-rounded inputs.
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import relaymoe_jax as rm
+import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
 
 F32_RTOL = 1e-5
 BF16_RTOL = 3e-2
 TOKENS, D_MODEL, D_FF = 64, 16, 24
-DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
+DIFF_ARGS = rmt.DIFF_ARGS
 
 E_ONLY, DATA_EXPERT = (rm.EXPERT,), (rm.DATA, rm.EXPERT)
 # (mesh shape, axis names, E, K, skewed routing, chunk_rows: one size or a ladder)
@@ -41,33 +45,9 @@ def _case_id(case):
       f"-R{'-'.join(map(str, rows)) if isinstance(rows, tuple) else rows}" if rows else "")
 
 
-def loss_and_grads(layer, mesh, dispatcher, **options):
-  """value_and_grad of Σ y·c (c a fixed random cotangent) w.r.t. x, w_TK and the expert weights, jitted."""
-  c_TD = jnp.asarray(np.random.default_rng(99).normal(size=layer["x_TD"].shape), jnp.float32)
-
-  def loss(x_TD, w_TK, w_gate, w_up, w_down):
-    y_TD = rm.moe_ffn(x_TD, layer["idx_TK"], w_TK, w_gate, w_up, w_down, mesh=mesh, dispatcher=dispatcher,
-                      **options)
-    return jnp.sum(y_TD.astype(jnp.float32) * c_TD), y_TD
-
-  fn = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))
-  (_, y_TD), grads = fn(*(layer[a] for a in DIFF_ARGS))
-  return y_TD, dict(zip(DIFF_ARGS, grads))
-
-
-def oracle(layer, mesh):
-  f32 = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in layer.items()}
-  return loss_and_grads(f32, mesh, "dense")
-
-
 def assert_matches_oracle(layer, mesh, rtol, dispatcher, **options):
-  y_ref, g_ref = oracle(layer, mesh)
-  y, g = loss_and_grads(layer, mesh, dispatcher, **options)
-  assert y.dtype == layer["x_TD"].dtype
-  assert_close(y, y_ref, rtol, "y_TD")
-  for name in DIFF_ARGS:
-    assert g[name].shape == layer[name].shape and g[name].dtype == layer[name].dtype, name
-    assert_close(g[name], g_ref[name], rtol, f"d {name}")
+  """The public `relaymoe_jax.testing.assert_matches_dense_oracle`, so every case here exercises it."""
+  rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher=dispatcher, rtol=rtol, **layer, **options)
 
 
 @pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
@@ -164,11 +144,72 @@ def test_capacity_factor_drops_overflow_like_gshard():
   layer = random_layer(11, TOKENS, D_MODEL, D_FF, 16, 4, skew=True)
   kept = dict(layer, w_TK=jnp.asarray(_capacity_kept_weights(layer, 8, 8, 1.0)))
   assert float(jnp.sum(kept["w_TK"] == 0)) > 0, "skewed routing must overflow capacity 1.0"
-  y, _ = loss_and_grads(layer, mesh, "all_to_all", capacity_factor=1.0)
-  y_kept, _ = oracle(kept, mesh)
+  y, _ = rmt.values_and_grads(layer, mesh=mesh, dispatcher="all_to_all", capacity_factor=1.0)
+  y_kept, _ = rmt.dense_oracle(kept, mesh=mesh)
   assert_close(y, y_kept, F32_RTOL, "y_TD with drops")
-  y_full, _ = oracle(layer, mesh)
+  y_full, _ = rmt.dense_oracle(layer, mesh=mesh)
   assert float(jnp.max(jnp.abs(y - y_full))) > 1e-3, "dropped pairs must change the output"
+
+
+ALL_DISPATCHERS = [("ring_expert", {}), ("ring_expert", {"reverse_backward": True}), ("ring_token", {}),
+                   ("auto", {}), ("all_to_all", {}), ("dense", {})]
+ALL_IDS = [name + "".join(f"-{k}" for k in options) for name, options in ALL_DISPATCHERS]
+# (token, k) -> an expert id outside [0, 16): both pairs of token 3, and single pairs on other devices.
+BAD_PAIRS = {(3, 0): -1, (3, 1): 16, (10, 1): -16, (20, 0): 2**31 - 1, (41, 1): -(2**31)}
+
+
+@pytest.mark.parametrize("dispatcher, options", ALL_DISPATCHERS, ids=ALL_IDS)
+def test_out_of_range_expert_ids_under_jit_contribute_nothing(dispatcher, options):
+  """Traced ids outside [0, E) cannot be rejected; each such pair must add nothing to y, get a zero router-weight
+  gradient and leave every other pair as it was: the oracle on the same inputs with those pairs' weights zeroed
+  (their ids left valid), its router-weight gradient for them set to zero."""
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  layer = random_layer(24, TOKENS, D_MODEL, D_FF, 16, 2)  # the shapes of a CASES entry: compiled functions shared
+  bad_TK = np.zeros(layer["idx_TK"].shape, bool)
+  idx_TK = np.array(layer["idx_TK"])
+  for (t, k), expert in BAD_PAIRS.items():
+    bad_TK[t, k], idx_TK[t, k] = True, expert
+  y, grads = rmt.values_and_grads(dict(layer, idx_TK=jnp.asarray(idx_TK)), mesh=mesh, dispatcher=dispatcher,
+                                  **options)
+  y_ref, grads_ref = rmt.dense_oracle(dict(layer, w_TK=jnp.where(bad_TK, 0.0, layer["w_TK"])), mesh=mesh)
+  grads_ref["w_TK"] = jnp.where(bad_TK, 0.0, grads_ref["w_TK"])
+  rmt.assert_trees_close(dict(y_TD=y, **grads), dict(y_TD=y_ref, **grads_ref), F32_RTOL)
+  chex.assert_trees_all_equal(y[3], jnp.zeros_like(y[3]))  # both of its pairs out of range
+  chex.assert_trees_all_equal(grads["w_TK"][bad_TK], jnp.zeros(len(BAD_PAIRS)))
+
+
+@pytest.mark.parametrize("dispatcher, options", ALL_DISPATCHERS, ids=ALL_IDS)
+def test_zero_tokens_give_an_empty_output(dispatcher, options):
+  """Every dispatcher: y_TD [0, D], empty dx and d(router weight), zero expert-weight gradients."""
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  layer = random_layer(0, 0, D_MODEL, D_FF, 16, 2)
+  y, grads = rmt.values_and_grads(layer, mesh=mesh, dispatcher=dispatcher, **options)
+  chex.assert_trees_all_equal_shapes_and_dtypes((y, grads), (layer["x_TD"], {k: layer[k] for k in DIFF_ARGS}))
+  weights = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+  chex.assert_trees_all_equal({k: grads[k] for k in weights}, {k: jnp.zeros_like(layer[k]) for k in weights})
+  eager = rm.moe_ffn(*(layer[a] for a in rmt.MOE_ARGS), mesh=mesh, dispatcher=dispatcher, **options)
+  assert y.shape == eager.shape == (0, D_MODEL)
+
+
+def test_jitted_ring_traces_once_for_any_routing():
+  """A hop's chunk count is data-dependent (while loops), so new routing of the same shapes, uniform and then
+  skewed into one partition, runs the step compiled for the first; other shapes trace again."""
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def grads(x_TD, idx_TK, *diff):
+    loss = lambda x, w, *weights: jnp.sum(  # noqa: E731
+        rm.moe_ffn(x, idx_TK, w, *weights, mesh=mesh, dispatcher="ring_expert") ** 2)
+    return jax.grad(loss, argnums=range(5))(x_TD, *diff)
+
+  args = lambda layer: [layer[a] for a in ("x_TD", "idx_TK", *DIFF_ARGS[1:])]  # noqa: E731
+  uniform, skewed = (args(random_layer(5, TOKENS, D_MODEL, D_FF, 16, 2, skew=skew)) for skew in (False, True))
+  g_uniform, g_skewed = grads(*uniform), grads(*skewed)
+  chex.assert_tree_all_finite((g_uniform, g_skewed))
+  assert float(jnp.max(jnp.abs(g_uniform[1] - g_skewed[1]))) > 1e-3, "different routing, different gradients"
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    grads(*args(random_layer(5, TOKENS // 2, D_MODEL, D_FF, 16, 2)))
 
 
 FULL_TABLE = [((n,), E_ONLY, e, k, skew, None) for n in (1, 2, 4, 8) for e in (8, 16, 64) for k in (1, 2, 8)

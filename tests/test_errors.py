@@ -1,5 +1,6 @@
 """Bad input gets a ValueError that names the bad value."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -47,6 +48,35 @@ BAD = [
 def test_bad_input_is_named(changes, kwargs, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
     _call(_with(**changes), mesh_of((4,), (rm.EXPERT,)), **kwargs)
+
+
+@pytest.mark.parametrize("dispatcher", sorted(rm.DISPATCHERS))
+@pytest.mark.parametrize("bad", [-1, 8, 2**31 - 1, -(2**31)])
+def test_out_of_range_expert_id_is_named_eagerly(dispatcher, bad):
+  """Concrete ids are checked before any dispatcher runs: the first bad one is named with its position."""
+  layer = _with(idx_TK=lambda l: l["idx_TK"].at[3, 0].set(bad))
+  with pytest.raises(ValueError, match=rf"idx_TK\[3, 0\] = {bad} is not an expert id in \[0, 8\)$"):
+    _call(layer, mesh_of((4,), (rm.EXPERT,)), dispatcher=dispatcher)
+
+
+def test_out_of_range_expert_ids_are_counted():
+  layer = _with(idx_TK=lambda l: l["idx_TK"].at[5, 1].set(-3).at[9, 0].set(8).at[30, 1].set(100))
+  with pytest.raises(ValueError, match=r"idx_TK\[5, 1\] = -3 .* \(and 2 more\)"):
+    _call(layer, mesh_of((4,), (rm.EXPERT,)))
+
+
+def test_constant_expert_ids_are_checked_under_jit():
+  """Inside the caller's jit, ids closed over as a constant are still concrete, so still checked."""
+  layer = _with(idx_TK=lambda l: l["idx_TK"].at[0, 1].set(-1))
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  step = jax.jit(lambda x: rm.moe_ffn(x, *(layer[a] for a in ARGS[1:]), mesh=mesh))
+  with pytest.raises(ValueError, match=r"idx_TK\[0, 1\] = -1"):
+    step(layer["x_TD"])
+
+
+def test_route_rejects_integer_tokens():
+  with pytest.raises(ValueError, match="floating-point x_TD; got dtype int32"):
+    rm.route(jnp.ones((4, 3), jnp.int32), jnp.ones((3, 8)), top_k=2)
 
 
 @pytest.mark.parametrize("top_k", [0, 9])

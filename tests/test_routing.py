@@ -67,3 +67,19 @@ def test_route_keeps_bfloat16_and_is_differentiable():
   g = jax.grad(lambda r: jnp.sum(rm.route(x, r, top_k=2)[1].astype(jnp.float32) ** 2) +
                rm.route(x, r, top_k=2)[2].load_balancing_loss)(router)
   assert g.dtype == jnp.bfloat16 and float(jnp.max(jnp.abs(g.astype(jnp.float32)))) > 0
+
+
+def test_route_on_zero_tokens_gives_zero_losses():
+  """No tokens: empty routing, and statistics and losses of 0 (finite gradients), not the NaN of a mean over none."""
+  router = jnp.ones((3, 8))
+  idx, w, aux = rm.route(jnp.ones((0, 3)), router, top_k=2)
+  assert idx.shape == w.shape == (0, 2)
+  for name, value in aux._asdict().items():
+    np.testing.assert_array_equal(np.asarray(value), 0, err_msg=name)
+
+  def losses(router_DE):
+    aux = rm.route(jnp.ones((0, 3)), router_DE, top_k=2)[2]
+    return aux.load_balancing_loss + aux.z_loss
+
+  np.testing.assert_array_equal(np.asarray(jax.grad(losses)(router)), 0)
+  np.testing.assert_array_equal(float(rm.load_balancing_loss([aux, aux])), 0)

@@ -1,0 +1,111 @@
+"""`relaymoe_jax.testing`, the oracle check offered to users: it passes a correct block and fails, naming the array,
+a block wrong in its values, in one gradient, or in its output dtype."""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import relaymoe_jax as rm
+import relaymoe_jax.testing as rmt
+from conftest import mesh_of
+
+
+def _inputs(dtype=jnp.float32):
+  return rmt.random_moe_inputs(1, tokens=32, d_model=8, d_ff=12, num_experts=8, top_k=2, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Scaled:
+  """The dense dispatcher with its output scaled: wrong values (and so wrong gradients)."""
+
+  factor: float
+
+  def __call__(self, *args, layout):
+    return rm.Dense()(*args, layout=layout) * self.factor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FrozenDown:
+  """Right values, but no gradient reaches w_down."""
+
+  def __call__(self, *args, layout):
+    return rm.Dense()(*args[:-1], jax.lax.stop_gradient(args[-1]), layout=layout)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Float32Out:
+  """Right values, returned in float32 whatever the inputs' dtype."""
+
+  def __call__(self, *args, layout):
+    f32 = [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+    return rm.Dense()(*f32, layout=layout)
+
+
+def test_a_correct_block_passes_and_every_array_is_reported():
+  errors = rmt.assert_matches_dense_oracle(mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher="ring_expert", rtol=1e-5,
+                                           **_inputs())
+  assert set(errors) == {"y_TD", "dx_TD", "dw_TK", "dw_gate_EDF", "dw_up_EDF", "dw_down_EFD"}
+  assert all(0 <= err <= 1e-5 for err in errors.values())
+
+
+@pytest.mark.parametrize("dispatcher, message", [
+    (_Scaled(factor=1.001), r"\['y_TD'\] 0.001"),
+    (_FrozenDown(), r"relative error over rtol=1e-05: \['dw_down_EFD'\] 1$"),
+], ids=["values", "one gradient"])
+def test_a_wrong_block_fails_naming_the_array(dispatcher, message):
+  with pytest.raises(AssertionError, match=message):
+    rmt.assert_matches_dense_oracle(mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher=dispatcher, rtol=1e-5, **_inputs())
+
+
+def test_a_block_returning_another_dtype_fails():
+  with pytest.raises(AssertionError, match="dtype"):
+    rmt.assert_matches_dense_oracle(mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher=_Float32Out(), rtol=3e-2,
+                                    **_inputs(jnp.bfloat16))
+
+
+def test_relative_error_is_max_norm_per_leaf():
+  actual = {"a": jnp.array([1.0, 2.0]), "b": [jnp.array([[0.0, -3.0]]), jnp.zeros((0, 2))]}
+  expected = {"a": jnp.array([1.0, 4.0]), "b": [jnp.array([[1.0, -2.0]]), jnp.zeros((0, 2))]}
+  assert rmt.relative_error(actual, expected) == {"a": 0.5, "b": [0.5, 0.0]}
+
+
+def test_assert_trees_close_rejects_non_finite_and_mismatched_shapes():
+  with pytest.raises(AssertionError):
+    rmt.assert_trees_close({"a": jnp.array([jnp.nan, 1.0])}, {"a": jnp.array([1.0, 1.0])}, rtol=10.0)
+  with pytest.raises(AssertionError):
+    rmt.assert_trees_close({"a": jnp.ones((2, 3))}, {"a": jnp.ones((3, 2))}, rtol=10.0)
+  with pytest.raises(AssertionError, match=r"\['b'\] 0.5"):
+    rmt.assert_trees_close({"a": jnp.ones(2), "b": jnp.ones(2)}, {"a": jnp.ones(2), "b": jnp.full(2, 2.0)}, 0.1)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_random_moe_inputs(skew):
+  inputs = rmt.random_moe_inputs(3, 40, 8, 12, 16, 4, skew=skew, dtype=jnp.bfloat16)
+  shapes = dict(x_TD=(40, 8), idx_TK=(40, 4), w_TK=(40, 4), w_gate_EDF=(16, 8, 12), w_up_EDF=(16, 8, 12),
+                w_down_EFD=(16, 12, 8))
+  assert {k: v.shape for k, v in inputs.items()} == shapes and tuple(inputs) == rmt.MOE_ARGS
+  assert inputs["idx_TK"].dtype == jnp.int32 and inputs["x_TD"].dtype == jnp.bfloat16
+  idx = np.asarray(inputs["idx_TK"])
+  assert all(len(set(row)) == 4 for row in idx), "a token's experts are distinct"
+  assert idx.min() >= 0 and idx.max() < (4 if skew else 16)
+  assert (idx.max() >= 4) == (not skew)
+  np.testing.assert_allclose(np.asarray(inputs["w_TK"], np.float32).sum(-1), 1.0, rtol=1e-2)
+  again = rmt.random_moe_inputs(3, 40, 8, 12, 16, 4, skew=skew, dtype=jnp.bfloat16)
+  assert all(np.array_equal(np.asarray(inputs[k]), np.asarray(again[k])) for k in inputs)
+  assert rmt.random_moe_inputs(3, 0, 8, 12, 16, 4)["idx_TK"].shape == (0, 4)
+
+
+def test_package_import_leaves_testing_and_pytest_out():
+  """`import relaymoe_jax` does not load the testing module; the testing module does not need pytest."""
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+  script = ("import sys, relaymoe_jax; assert 'relaymoe_jax.testing' not in sys.modules; "
+            "import relaymoe_jax.testing; assert 'pytest' not in sys.modules, 'pytest imported'")
+  subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=repo)
