@@ -21,7 +21,8 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
   """One relaymoe-train run; returns its metrics records, or None if it failed (e.g. out of memory)."""
-  cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", str(steps), "--out", out_dir,
+  # --overwrite: each run starts afresh, also in a --work directory of an earlier comparison.
+  cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", str(steps), "--out", out_dir, "--overwrite",
          f"dispatcher={dispatcher}", f"log_every={log_every}", f"checkpoint_every={steps}", "tensorboard=false",
          *overrides]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import pathlib
+import types
 import typing
 
 import yaml
@@ -9,25 +10,120 @@ import yaml
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
-def from_mapping(cls, data, where=""):
-  """cls(**data) with nested dataclasses built recursively, lists made tuples, and unknown keys named."""
+def from_mapping(cls, data, where="", prefix=""):
+  """cls(**data), each value checked and coerced by its field's type (`coerce`), nested dataclasses built
+  recursively; an unknown key or a value of the wrong type is named (`prefix` + key) in a ValueError."""
   where = where or cls.__name__
   if not isinstance(data, dict):
-    raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    raise ValueError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}")
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(data) - set(fields))
   if unknown:
-    raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    raise ValueError(f"{where}: unknown key(s) {[prefix + k for k in unknown]}; known keys: {sorted(fields)}")
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for key, value in data.items():
     hint = hints[key]
     if dataclasses.is_dataclass(hint):
-      value = from_mapping(hint, value or {}, f"{where}.{key}")
-    elif isinstance(value, list):
-      value = tuple(value)
-    kwargs[key] = value
+      kwargs[key] = from_mapping(hint, value or {}, where, f"{prefix}{key}.")
+      continue
+    try:
+      kwargs[key] = coerce(value, hint)
+    except TypeError:
+      raise ValueError(f"{where}: {prefix}{key}={value!r} is not {describe(hint)}") from None
   return cls(**kwargs)
+
+
+def coerce(value, hint):
+  """value as a field of type `hint` holds it: YAML's strings for numbers ("1e-3") read as numbers, lists as tuples.
+
+  Raises TypeError where value is not of that type: an int from 2.5, a bool from anything but true/false.
+  """
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin in (typing.Union, types.UnionType):
+    for option in args:
+      try:
+        return coerce(value, option)
+      except TypeError:
+        pass
+    raise TypeError(value)
+  if hint is tuple or origin is tuple:
+    return _as_tuple(value, args)
+  return _SCALARS.get(hint, lambda v: v)(value)
+
+
+def describe(hint):
+  """'a float', 'true or false, or a list of bool': what a field of type `hint` takes, for error messages."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin in (typing.Union, types.UnionType):
+    return ", or ".join(describe(a) for a in args)
+  if hint is tuple:
+    return "a list or a mapping"
+  if origin is tuple:
+    return f"a list of {args[0].__name__}"
+  return _DESCRIPTIONS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _as_tuple(value, args):
+  if isinstance(value, dict) and not args:  # a mapping field stored as pairs (the dataclass sorts them)
+    return value
+  if not isinstance(value, (list, tuple)):
+    raise TypeError(value)
+  if args and args[-1] is Ellipsis:
+    return tuple(coerce(v, args[0]) for v in value)
+  if args and len(args) != len(value):
+    raise TypeError(value)
+  return tuple(coerce(v, a) for v, a in zip(value, args)) if args else tuple(value)
+
+
+def _as_int(value):
+  if isinstance(value, str):
+    value = _number(value)
+  if isinstance(value, float) and value.is_integer():  # 1.0e4 steps
+    return int(value)
+  if isinstance(value, int) and not isinstance(value, bool):
+    return value
+  raise TypeError(value)
+
+
+def _as_float(value):
+  if isinstance(value, str):
+    value = _number(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return float(value)
+  raise TypeError(value)
+
+
+def _number(text):
+  try:
+    return int(text)
+  except ValueError:
+    pass
+  try:
+    return float(text)
+  except ValueError:
+    raise TypeError(text) from None
+
+
+def _as_bool(value):
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, str) and value.lower() in ("true", "false"):
+    return value.lower() == "true"
+  raise TypeError(value)
+
+
+def _of_type(kind):
+  def check(value):
+    if not isinstance(value, kind):
+      raise TypeError(value)
+    return value
+  return check
+
+
+_SCALARS = {int: _as_int, float: _as_float, bool: _as_bool, str: _of_type(str), dict: _of_type(dict)}
+_DESCRIPTIONS = {int: "an int", float: "a float", bool: "true or false", str: "a string (quote it)",
+                 dict: "a mapping"}
 
 
 def override(config, assignments):
@@ -43,7 +139,7 @@ def override(config, assignments):
     if keys[-1] not in node:
       raise ValueError(f"override {assignment!r}: unknown key {path!r}")
     node[keys[-1]] = value
-  return from_mapping(type(config), data)
+  return from_mapping(type(config), data, "override")
 
 
 def parse_assignment(assignment):

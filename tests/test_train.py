@@ -103,15 +103,23 @@ def test_resume_continues_exactly(tmp_path):
   shutil.rmtree(checkpoint_dir / "6")  # as if the run had stopped after step 3
   resumed = run(config, resume=True)
   assert [r["step"] for r in resumed] == [3, 4, 5]
+  logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert logged == [0, 1, 2, 3, 4, 5]  # the rows of the replayed steps replaced, not repeated
   for a, b in zip(full[3:], resumed):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
 
 
 def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
-  run(tiny_run(tmp_path, steps=1, checkpoint_every=1, model_overrides={"scan_layers": False}))
-  with pytest.raises(ValueError, match="checkpoint step 1 .* model.scan_layers"):
-    run(tiny_run(tmp_path, steps=2, checkpoint_every=1), resume=True)
-  assert Checkpoints(tmp_path / "run" / "checkpoints", 2).latest_step() == 1
+  """Another layout is an error from the newest checkpoint's metadata, never a fall back to an older one."""
+  run(tiny_run(tmp_path, steps=2, checkpoint_every=1, model_overrides={"scan_layers": False}))
+  with pytest.raises(ValueError, match="checkpoint step 2 .* model.scan_layers.*this model lacks"):
+    run(tiny_run(tmp_path, steps=3, checkpoint_every=1), resume=True)
+  with pytest.raises(ValueError, match=r"checkpoint step 2 .*w_down_EFD is \(8, 64, 64\) in the checkpoint and "
+                                       r"\(8, 32, 64\) in this model"):
+    run(tiny_run(tmp_path, steps=3, model_overrides={"scan_layers": False, "moe_intermediate_size": 32}), resume=True)
+  checkpoints = Checkpoints(tmp_path / "run" / "checkpoints", 2)
+  assert checkpoints.manager.all_steps() == [1, 2] and not (tmp_path / "run" / "checkpoints-unreadable").exists()
+  checkpoints.close()
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

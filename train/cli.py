@@ -1,12 +1,17 @@
 """`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config;
 `relaymoe-plan`: what fits on the devices (the activation planner, `train.plan`).
 
-    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume] [--compile-only] [key=value ...]
+    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only] [key=value ...]
     relaymoe-plan [--config FILE] [--maximize seq|batch] [--variants ring,a2a_dropless,a2a_cf1] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
 on 8 emulated CPU devices. Multi-process: pass --coordinator/--num-processes/--process-id (or set
 RELAYMOE_COORDINATOR, RELAYMOE_NUM_PROCESSES, RELAYMOE_PROCESS_ID); under SLURM they are detected.
+
+Exit status: 0 done; 2 the run cannot start as asked (a bad config, a busy or used --out, no checkpoint to resume,
+a step that does not fit the device),
+printed as one line (`--debug` or RELAYMOE_DEBUG=1 for the traceback); 1 it failed while training (a non-finite
+loss); 143 / 130 stopped by SIGTERM / Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
 """
 
 import argparse
@@ -14,6 +19,7 @@ import json
 import os
 import pathlib
 import sys
+import traceback
 
 
 def _parse(argv):
@@ -21,13 +27,18 @@ def _parse(argv):
   parser.add_argument("--config", help="run config: a YAML path or a name under configs/runs/")
   parser.add_argument("--steps", type=int)
   parser.add_argument("--out", help="output directory (metrics.jsonl, checkpoints/, tensorboard/)")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  start = parser.add_mutually_exclusive_group()
+  start.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+  start.add_argument("--overwrite", action="store_true",
+                     help="start afresh in an --out that holds an earlier run, deleting its checkpoints and metrics")
   parser.add_argument("--compile-only", action="store_true",
                       help="compile the train step from shapes alone and report its memory per device; train nothing")
   parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
   parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
   parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
   parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
+  parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
+                      help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
   return parser.parse_intermixed_args(argv)  # key=value overrides may come before and after options
 
@@ -41,6 +52,49 @@ def _start_distributed(args, jax):
     jax.distributed.initialize()  # JAX reads the SLURM environment
 
 
+def main(argv=None):
+  _run_cli("relaymoe-train", _parse(sys.argv[1:] if argv is None else argv), _main)
+
+
+def _run_cli(prog, args, body):
+  """body(args), with the errors a user can act on printed as one line and turned into an exit status."""
+  try:
+    body(args)
+  except KeyboardInterrupt:
+    print(f"{prog}: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
+    sys.exit(130)
+  except Exception as err:
+    status = _exit_status(err)
+    if status is None or args.debug:
+      raise
+    print(f"{prog}: {'' if status > 128 else 'error: '}{err}", file=sys.stderr)
+    sys.exit(status)
+
+
+def _exit_status(err):
+  """The exit status of an error the user can act on from its message alone; None for a bug (a traceback)."""
+  from train.loop import CheckpointUnreadable, StepDoesNotFit  # noqa: PLC0415  (JAX must start after XLA_FLAGS)
+  from train.preempt import Stopped  # noqa: PLC0415
+  from train.rundir import RunDirectoryError  # noqa: PLC0415
+
+  if isinstance(err, Stopped):
+    return err.exit_status
+  if isinstance(err, FloatingPointError):
+    return 1
+  if isinstance(err, (RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
+    return 2
+  if isinstance(err, (ValueError, FileNotFoundError)) and _raised_here(err):
+    return 2
+  return None
+
+
+def _raised_here(err):
+  """True when this project raised err itself (its message is written for users), not JAX or a library below."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  raiser = pathlib.Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
+  return any(raiser.is_relative_to(root / package) for package in ("train", "models", "relaymoe_jax"))
+
+
 def _start(args, overrides):
   """JAX started (emulated CPU devices, distributed), and the run config with `overrides` applied."""
   # Only the CPU platform reads this; on GPUs it changes nothing. It must be set before JAX starts.
@@ -52,15 +106,14 @@ def _start(args, overrides):
   from train.config import load_run_config  # noqa: PLC0415
 
   if args.out:
-    overrides.append(f"out_dir={args.out}")
+    overrides.append(f"out_dir={json.dumps(args.out)}")  # quoted: YAML would read --out 2024 as a number
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
   return jax, config
 
 
-def main(argv=None):
-  args = _parse(sys.argv[1:] if argv is None else argv)
+def _main(args):
   overrides = list(args.overrides)
   if args.steps is not None:
     overrides.append(f"steps={args.steps}")
@@ -70,7 +123,7 @@ def main(argv=None):
   if args.compile_only:
     _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
     return
-  history = run(config, resume=args.resume)
+  history = run(config, resume=args.resume, overwrite=args.overwrite)
   if jax.process_index() == 0 and history:
     last = history[-1]
     print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s); "
@@ -115,13 +168,18 @@ def _parse_plan(argv):
   parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
   parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
   parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
+  parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
+                      help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
   return parser.parse_intermixed_args(argv)
 
 
 def plan_main(argv=None):
   """`relaymoe-plan`: prints the side-by-side plan table and writes OUT/plan.json."""
-  args = _parse_plan(sys.argv[1:] if argv is None else argv)
+  _run_cli("relaymoe-plan", _parse_plan(sys.argv[1:] if argv is None else argv), _plan)
+
+
+def _plan(args):
   jax, config = _start(args, list(args.overrides))
   from train import plan  # noqa: PLC0415
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 import time
 from typing import NamedTuple
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
@@ -19,6 +21,8 @@ from models import qwen3
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from train.config import RunConfig
 from train.data import make_source
+from train.preempt import StopRequest, Stopped
+from train.rundir import RunDirectory, keep_metrics_before
 from train.step import TrainState, make_optimizer, make_train_step, model_flops_per_token
 
 MESH_AXES = (DATA, EXPERT, TENSOR)
@@ -40,6 +44,16 @@ def build_mesh(mesh_config, devices=None):
     raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices; there are "
                      f"{len(devices)}")
   return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def run_mesh(run_config, devices=None):
+  """The run's mesh, checked to split its batch: each token shard (data × expert) takes whole sequences."""
+  mesh = build_mesh(run_config.mesh, devices)
+  shards = math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+  if run_config.batch_size % shards:
+    raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} token shards "
+                     f"({' × '.join(f'{a}={mesh.shape[a]}' for a in qwen3.TOKEN_AXES)}); use a multiple of {shards}")
+  return mesh
 
 
 def model_config_for(run):
@@ -82,12 +96,20 @@ def host_scalars(metrics):
 
 class Checkpoints:
   """orbax CheckpointManager: async saves of {state, meta}; a save is atomic (written aside, then renamed), so a
-  crash mid-save leaves the previous checkpoint as the latest."""
+  crash mid-save leaves the previous checkpoint as the latest. A context manager: leaving it waits for the last
+  save and closes orbax's threads, on errors too."""
 
   def __init__(self, directory, keep):
     self.directory = pathlib.Path(directory).absolute()
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=True))
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_handlers=dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True))
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
   def save(self, step, state, meta):
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -97,22 +119,113 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def restore(self, like_state):
-    step = self.manager.latest_step()
-    if step is None:
+    """(state, meta) of the newest checkpoint that restores into `like_state`'s shapes and shardings.
+
+    A checkpoint of another layout (layers, sizes, `model.scan_layers`) is an error, read from its metadata before
+    any array. A checkpoint whose files do not read (truncated, corrupted) is skipped for the next older one and
+    moved aside to `checkpoints-unreadable/`, never deleted, so that this run's saves can take its step again.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
+    _quiet_closed_event_loops()
+    unreadable = []
+    for step in steps:
+      try:
+        restored = self._restore_step(step, abstract)
+      except CheckpointUnreadable as err:
+        unreadable.append((step, err))
+        continue
+      self._set_aside(unreadable, step)
+      return restored.state, restored.meta
+    raise CheckpointUnreadable(f"--resume: no checkpoint in {self.directory} restores: " + "; ".join(
+        f"step {step}: {err}" for step, err in unreadable))
+
+  def _restore_step(self, step, abstract):
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                    meta=ocp.args.JsonRestore()))
-    except ValueError as err:
-      raise ValueError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's parameters "
-                       "(another model config: layers, sizes, or model.scan_layers, which stacks layers); "
-                       f"orbax says: {str(err)[:300]}") from err
-    return restored.state, restored.meta
+      stored = self.manager.item_metadata(step)["state"]
+    except (ValueError, KeyError, OSError) as err:
+      raise CheckpointUnreadable(f"its metadata does not read ({_first_line(err)})") from err
+    if stored is None:
+      raise CheckpointUnreadable("it has no training state")
+    if _leaf_shapes(stored) != _leaf_shapes(abstract):
+      # Checked before orbax reads any array: a read of the wrong shape fails inside tensorstore and floods stderr.
+      raise ValueError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's "
+                       "parameters (another model config: layers, sizes, or model.scan_layers, which stacks layers); "
+                       f"{_layout_difference(_leaf_shapes(stored), _leaf_shapes(abstract))}")
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, OSError) as err:  # the layout matched: its files are what is wrong
+      raise CheckpointUnreadable(f"it does not read ({_first_line(err)})") from err
+
+  def _set_aside(self, unreadable, good_step):
+    """Moves the unreadable checkpoints out of orbax's sight (process 0; all processes then see it) and says so."""
+    if not unreadable:
+      return
+    aside = self.directory.parent / "checkpoints-unreadable"
+    for step, err in unreadable:
+      target = aside / str(step)
+      if jax.process_index() == 0:
+        aside.mkdir(exist_ok=True)
+        while target.exists():
+          target = target.with_name(target.name + "+")
+        (self.directory / str(step)).rename(target)
+        print(f"--resume: skipped checkpoint step {step}: {err}; moved it to {target} (kept) and resuming from "
+              f"step {good_step}", file=sys.stderr, flush=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("relaymoe: unreadable checkpoints set aside")
+    self.manager.reload()
 
   def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+    if self.manager is None:
+      return
+    manager, self.manager = self.manager, None
+    manager.wait_until_finished()
+    manager.close()
+
+
+class CheckpointUnreadable(RuntimeError):
+  """A checkpoint's files do not read (truncated, corrupted, missing)."""
+
+
+def _first_line(err):
+  return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
+def _leaf_shapes(tree):
+  """{'opt_state.1.0.mu.embed_VD': shape} for every array: the same keys for a saved tree's metadata (dicts and
+  lists) and the live one (named tuples, tuples)."""
+  def name(key):
+    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+  return {".".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape"))}
+
+
+def _layout_difference(stored, wanted):
+  only_stored, only_wanted = sorted(set(stored) - set(wanted)), sorted(set(wanted) - set(stored))
+  if only_stored or only_wanted:
+    return (f"the checkpoint has {len(only_stored)} arrays this model lacks (first: {only_stored[:2]}) and lacks "
+            f"{len(only_wanted)} it has (first: {only_wanted[:2]})")
+  key = next(k for k in sorted(stored) if stored[k] != wanted[k])
+  return f"{key} is {stored[key]} in the checkpoint and {wanted[key]} in this model"
+
+
+def _quiet_closed_event_loops():
+  """When one read of a checkpoint fails, orbax closes its event loop with reads still in flight, and each of
+  tensorstore's late callbacks prints an 'Event loop is closed' traceback (hundreds, burying the real error):
+  drop those, and only those, from then on."""
+  previous = sys.unraisablehook
+  if getattr(previous, "relaymoe_quiet", False):
+    return
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+      previous(unraisable)
+
+  hook.relaymoe_quiet = True
+  sys.unraisablehook = hook
 
 
 class MetricsLog:
@@ -125,6 +238,7 @@ class MetricsLog:
     if not self.active:
       return
     self.path.parent.mkdir(parents=True, exist_ok=True)
+    keep_metrics_before(self.path, start_step)
     if tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process needs it)
       self.writer = SummaryWriter(str(pathlib.Path(out_dir) / "tensorboard"))
@@ -209,7 +323,7 @@ class CompiledStep(NamedTuple):
 def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
   """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
   --topology`): nothing runs."""
-  mesh = build_mesh(run_config.mesh, devices)
+  mesh = run_mesh(run_config, devices)
   model_config = model_config_for(run_config)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   graphdef, state = abstract_train_state(model_config, mesh, optimizer, run_config.seed)
@@ -263,9 +377,20 @@ def _remat_name(remat):
   return remat if isinstance(remat, str) else ",".join(remat)
 
 
-def run(run_config: RunConfig, *, resume=False):
-  """Trains as configured; returns the logged metrics (a list of dicts). Raises FloatingPointError on a
-  non-finite loss, keeping the last good checkpoint."""
+def run(run_config: RunConfig, *, resume=False, overwrite=False):
+  """Trains as configured; returns the logged metrics (a list of dicts).
+
+  Holds the run directory for the run (`RunDirectory`: one run at a time; a fresh run refuses an earlier run's
+  outputs unless `overwrite`). Raises FloatingPointError on a non-finite loss, keeping the last good checkpoint,
+  and `Stopped` after saving a checkpoint on SIGTERM or SIGINT.
+  """
+  out = pathlib.Path(run_config.out_dir)
+  with (RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop,
+        Checkpoints(out / "checkpoints", run_config.keep_checkpoints) as checkpoints):
+    return _train(run_config, resume, checkpoints, stop)
+
+
+def _train(run_config, resume, checkpoints, stop):
   from train.plan import resolve_remat  # noqa: PLC0415  (train.plan builds on this module)
   run_config, remat_plan = resolve_remat(run_config)
   model_config = model_config_for(run_config)
@@ -282,7 +407,6 @@ def run(run_config: RunConfig, *, resume=False):
   # Eager init: zeros_like keeps each parameter's sharding for its optimizer moments (a jitted init would not).
   state = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
   out = pathlib.Path(run_config.out_dir)
-  checkpoints = Checkpoints(out / "checkpoints", run_config.keep_checkpoints)
   start = 0
   if resume:
     state, meta = checkpoints.restore(state)
@@ -310,10 +434,12 @@ def run(run_config: RunConfig, *, resume=False):
     values = host_scalars(metrics)
     if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
       checkpoints.manager.wait_until_finished()
+      latest = checkpoints.latest_step()
       raise FloatingPointError(
           f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
-          f"update norm {values['update_norm']}; stopping. The last good checkpoint is step "
-          f"{checkpoints.latest_step()} in {checkpoints.directory}")
+          f"update norm {values['update_norm']}; stopping. " + (
+              f"The last good checkpoint is step {latest} in {checkpoints.directory}" if latest is not None else
+              f"There is no checkpoint yet in {checkpoints.directory}"))
     window_steps += 1
     if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
       return
@@ -332,14 +458,16 @@ def run(run_config: RunConfig, *, resume=False):
         settle(*pending)
       pending = (step, metrics)
       log.advance()
+      signum = stop.requested()
       every = run_config.checkpoint_every
-      if every and ((step + 1) % every == 0 or step + 1 == run_config.steps):
+      if signum or (every and ((step + 1) % every == 0 or step + 1 == run_config.steps)):
         settle(*pending)  # never save a state whose loss was not finite
         pending = None
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
+      if signum:
+        raise Stopped(signum, step + 1, checkpoints.directory)
     if pending:
       settle(*pending)
   finally:
     log.close()
-    checkpoints.close()
   return history

@@ -1,0 +1,126 @@
+"""The run directory (`--out`): one run at a time, no fresh run on top of an earlier one unless asked, and a resumed
+run's metrics.jsonl cut back to where it resumes.
+
+Process 0 decides (it alone writes metrics and logs; all processes share the directory) and tells the others.
+"""
+
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import socket
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+LOCK = ".lock"
+# What a run writes; --overwrite removes these and nothing else in the directory.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "run_config.json")
+
+
+class RunDirectoryError(RuntimeError):
+  """The run directory cannot be used as asked: another run holds it, or it holds an earlier run."""
+
+
+def checkpoint_steps(directory):
+  """The finished checkpoint steps under `directory`, ascending (orbax names a save in progress with a suffix)."""
+  path = pathlib.Path(directory)
+  return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit()) if path.is_dir() else []
+
+
+class RunDirectory:
+  """Claims `out_dir` for one run, as a context manager.
+
+  Process 0 takes an exclusive `flock` on OUT/.lock, which the OS drops when the process ends however it ends (a
+  killed run leaves no stale lock); the lock file names the holder. A fresh run (not `resume`) into a directory
+  holding an earlier run's checkpoint or metrics is refused unless `overwrite`, which removes `RUN_OUTPUTS`.
+  """
+
+  def __init__(self, out_dir, *, resume=False, overwrite=False):
+    if resume and overwrite:
+      raise ValueError("--resume continues the run in the directory and --overwrite deletes it: pass one")
+    self.out = pathlib.Path(out_dir)
+    self.resume, self.overwrite = resume, overwrite
+    self.handle = None
+
+  def __enter__(self):
+    error = None
+    if jax.process_index() == 0:
+      try:
+        self._lock()
+        self._check_fresh()
+      except Exception as err:  # noqa: BLE001  (re-raised below, after the other processes heard of it)
+        error = err
+    if jax.process_count() > 1:
+      failed = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+      if failed and error is None:
+        error = RunDirectoryError(f"process 0 could not claim the run directory {self.out}; its error says why")
+    if error is not None:
+      self._unlock()
+      raise error
+    return self
+
+  def __exit__(self, *exc):
+    self._unlock()
+
+  def _lock(self):
+    self.out.mkdir(parents=True, exist_ok=True)
+    handle = (self.out / LOCK).open("a+")
+    try:
+      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      handle.seek(0)
+      holder = handle.read().split() or ["unknown", "?"]
+      handle.close()
+      raise RunDirectoryError(f"{self.out} is in use by another run (pid {holder[0]} on {holder[-1]}); wait for "
+                              "it to end or pick another --out") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+    handle.flush()
+    self.handle = handle
+
+  def _unlock(self):
+    if self.handle:
+      fcntl.flock(self.handle, fcntl.LOCK_UN)
+      self.handle.close()
+      self.handle = None
+
+  def _check_fresh(self):
+    if self.resume:
+      return
+    steps = checkpoint_steps(self.out / "checkpoints")
+    if not steps and not (self.out / "metrics.jsonl").exists():
+      return
+    held = f"checkpoint step {steps[-1]}" if steps else "metrics.jsonl, no checkpoint"
+    if not self.overwrite:
+      raise RunDirectoryError(f"{self.out} holds an earlier run ({held}); continue it with --resume, or start "
+                              f"over with --overwrite (deletes its {', '.join(RUN_OUTPUTS)})")
+    removed = [name for name in RUN_OUTPUTS if (self.out / name).exists()]
+    for name in removed:
+      path = self.out / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      else:
+        path.unlink()
+    print(f"--overwrite: removed the earlier run ({held}) from {self.out}: {', '.join(removed)}", flush=True)
+
+
+def keep_metrics_before(path, step):
+  """Drops the rows of metrics.jsonl for steps ≥ `step` (a resumed run logs them again) and any row cut short by a
+  killed run."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  kept = [line for line in lines if _step_of(line) is not None and _step_of(line) < step]
+  if len(kept) != len(lines):
+    path.write_text("".join(kept))
+
+
+def _step_of(line):
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return None
