@@ -46,7 +46,8 @@ def logged_steps(out):
     (["mesh.data=2.0"], "mesh.data", 2),
     (["tensorboard=false"], "tensorboard", False),
     (["out_dir='123'"], "out_dir", "123"),
-    (["model.remat_attention=[true, false]"], "model.remat_attention", (True, False)),
+    (["model.remat=[layer, none]"], "model.remat", ("layer", "none")),
+    (["model.remat=offload"], "model.remat", "offload"),
     (["model.rms_norm_eps=1e-5"], "model.rms_norm_eps", 1e-5),
 ])
 def test_config_values_are_coerced_by_field_type(overrides, field, expected):
@@ -67,7 +68,8 @@ def test_config_values_are_coerced_by_field_type(overrides, field, expected):
     (["out_dir=123"], "out_dir=123 is not a string"),
     (["mesh=3"], "mesh must be a mapping"),
     (["model.num_hidden_layers=two"], "num_hidden_layers='two' is not an int"),
-    (["model.remat_attention=maybe"], "remat_attention='maybe' is not true or false, or a list of bool"),
+    (["model.remat=[1, 2]"], r"remat=\[1, 2\] is not a string \(quote it\), or a list of str"),
+    (["model.remat=maybe"], r"remat \['maybe'\] unknown; each layer's is one of"),
     (["model.mlp_only_layers=[0, x]"], r"mlp_only_layers=\[0, 'x'\] is not a list of int"),
 ])
 def test_config_values_of_the_wrong_type_are_named(overrides, message):
