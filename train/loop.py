@@ -392,13 +392,14 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False):
 
 def _train(run_config, resume, checkpoints, stop):
   from train.plan import resolve_remat  # noqa: PLC0415  (train.plan builds on this module)
-  run_config, remat_plan = resolve_remat(run_config)
+  run_config, remat_plan, step = resolve_remat(run_config)
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size)
-  if jax.process_index() == 0:
-    print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
-          flush=True)
-  step = compile_step(run_config)
+  if step is None:  # remat=auto compiled the chosen plan already
+    if jax.process_index() == 0:
+      print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
+            flush=True)
+    step = compile_step(run_config)
   check_fits(run_config, step)  # before anything is allocated
   compiled, graphdef, mesh, compile_s = step.compiled, step.graphdef, step.mesh, step.compile_s
   _, params = nnx.split(qwen3.create_sharded(model_config, mesh, seed=run_config.seed))

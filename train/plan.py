@@ -17,7 +17,7 @@ import jax
 
 from models import qwen3
 from train.config import RunConfig
-from train.loop import build_mesh, memory_plan
+from train.loop import build_mesh, compile_step, memory_plan
 from train.step import layer_forward_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
@@ -77,27 +77,41 @@ class Plan:
 class Planner:
   """Compiles train steps of one run config (and variations of it) and remembers what each needed."""
 
-  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None):
+  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None, keep_steps=False):
     self.run_config = run_config
     self.devices = devices
     self.budget_bytes = budget_bytes
     self.log = log
+    self.keep_steps = keep_steps  # the compiled steps, for the trainer to run the chosen one without compiling again
     self.compiles = []
     self._measured = {}
+    self._steps = {}
 
   def measure(self, remat, **changes):
     """memory_plan of the run with `remat` and the given RunConfig changes (batch_size, seq_len); each compiled
     once."""
-    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat))
-    key = str(sorted(what.items()))
+    key = self._key(remat, changes)
     if key in self._measured:
       return self._measured[key]
     config = with_remat(dataclasses.replace(self.run_config, **changes), remat)
-    plan = self._measured[key] = memory_plan(config, devices=self.devices)
+    step = compile_step(config, self.devices)
+    if self.keep_steps:
+      self._steps[key] = step
+    plan = self._measured[key] = memory_plan(config, step)
+    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat))
     self.compiles.append((what, plan["total_bytes"]))
     self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
              f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
     return plan
+
+  def compiled_step(self, remat, **changes):
+    """The CompiledStep measured for `remat` (with keep_steps), else None."""
+    return self._steps.get(self._key(remat, changes))
+
+  @staticmethod
+  def _key(remat, changes):
+    remat = (remat,) if isinstance(remat, str) else tuple(remat)
+    return str(sorted(dict(changes, remat=remat if len(set(remat)) > 1 else remat[:1]).items()))
 
   def fits(self, plan):
     return plan["total_bytes"] <= self.budget_bytes
@@ -229,26 +243,28 @@ def budget_bytes(run_config, limit):
   return int(limit * (1 - run_config.memory_headroom))
 
 
-def _planner(run_config, log=print, devices=None):
+def _planner(run_config, log=print, devices=None, keep_steps=False):
   limit = device_limit_bytes(run_config)
   if limit is None:
     raise ValueError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
                      "(e.g. device_memory_gib=132 for 95% of an H200)")
-  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices)
+  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps)
 
 
 def resolve_remat(run_config):
-  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan); other runs unchanged."""
+  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep);
+  other runs unchanged, with None for both."""
   if run_config.remat != "auto":
-    return run_config, None
+    return run_config, None, None
   from train.loop import StepDoesNotFit  # noqa: PLC0415
-  plan = _planner(run_config, log=_log_on_process_0).plan()
+  planner = _planner(run_config, log=_log_on_process_0, keep_steps=True)
+  plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"remat=auto: even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} "
                          f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
   _log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
                     f"{plan.budget_bytes / 2**30:.2f})")
-  return with_remat(run_config, plan.remat), plan
+  return with_remat(run_config, plan.remat), plan, planner.compiled_step(plan.remat)
 
 
 def suggest(run_config):
