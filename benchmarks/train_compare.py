@@ -20,7 +20,8 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 
 def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
-  """One relaymoe-train run; returns its metrics records, or None if it failed (e.g. out of memory)."""
+  """One relaymoe-train run; returns (its metrics records, None), or (None, the trainer's last line of error
+  output) where it failed: a step that does not fit (the fit guard's message), out of memory, a bad override."""
   # --overwrite: each run starts afresh, also in a --work directory of an earlier comparison.
   cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", str(steps), "--out", out_dir, "--overwrite",
          f"dispatcher={dispatcher}", f"log_every={log_every}", f"checkpoint_every={steps}", "tensorboard=false",
@@ -28,17 +29,19 @@ def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
   path = os.path.join(out_dir, "metrics.jsonl")
   if proc.returncode != 0 or not os.path.exists(path):
-    return None
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return None, lines[-1] if lines else f"exit status {proc.returncode}"
   with open(path) as fh:
-    return [json.loads(line) for line in fh]
+    return [json.loads(line) for line in fh], None
 
 
 def longest_sequence(dispatcher, config, overrides, out_root, start=1024, limit=1 << 20):
   """The largest seq_len (doubling from `start`) that trains 3 steps, or 0."""
   best, seq = 0, start
   while seq <= limit:
-    if train(dispatcher, config, 3, [*overrides, f"seq_len={seq}"], os.path.join(out_root, f"seq_{dispatcher}_{seq}"),
-             log_every=3) is None:
+    records, _ = train(dispatcher, config, 3, [*overrides, f"seq_len={seq}"],
+                       os.path.join(out_root, f"seq_{dispatcher}_{seq}"), log_every=3)
+    if records is None:
       break
     best, seq = seq, seq * 2
   return best
@@ -83,9 +86,9 @@ def main(argv=None):
     raise SystemExit(f"--dispatchers needs exactly two names, got {dispatchers}")
   runs = {}
   for d in dispatchers:
-    records = train(d, args.config, args.steps, args.overrides, os.path.join(args.work, d))
+    records, error = train(d, args.config, args.steps, args.overrides, os.path.join(args.work, d))
     if records is None:
-      raise SystemExit(f"the {d} run failed; rerun it alone with relaymoe-train to see why")
+      raise SystemExit(f"the {d} run failed: {error}")
     runs[d] = records
   result = dict(command="python -m benchmarks.train_compare " + " ".join(sys.argv[1:] if argv is None else argv),
                 **compare(runs))
