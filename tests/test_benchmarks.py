@@ -191,3 +191,52 @@ def test_a_step_that_cannot_fit_is_reported_not_run():
   assert row["error"] == "out of memory" and row["limit_bytes"] == 1024 and row["needed_bytes"] >= 256 * 64 * 4
   assert not moe_layer.does_not_fit(compiled, [Device(1 << 40)], {})
   assert not moe_layer.does_not_fit(compiled, jax.devices()[:1], {})
+
+
+def test_train_compare_reports_the_trainers_own_error(tmp_path):
+  from benchmarks import train_compare  # noqa: PLC0415
+  with pytest.raises(SystemExit, match="the ring_expert run failed: relaymoe-train: error: override: "
+                                       "seq_len='abc' is not an int"):
+    train_compare.main(["--config", "cpu", "--steps", "1", "--work", str(tmp_path), "--out", str(tmp_path / "c.json"),
+                        "seq_len=abc"])
+
+
+def _capacity_found(seq_len, ran=None):
+  found = dict(dispatcher="ring_expert", not_fitting=seq_len + 4096,
+               plan=dict(seq_len=seq_len, summary="4 × offload", total_bytes=100 * 2**30, budget_bytes=128 * 2**30))
+  if ran is not None:
+    found["at_limit"] = dict(ran=ran, peak_gib=99.0, seconds=30, message="" if ran else "RESOURCE_EXHAUSTED")
+  return found
+
+
+def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
+  from benchmarks import capacity  # noqa: PLC0415
+  local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(
+      ring=_capacity_found(524288, True), a2a_dropless=_capacity_found(233472, True),
+      a2a_cf1=_capacity_found(262144, False)))
+  topology = dict(name="1x1x8 compile-only 4 layers", layers=4, gpus=8, topology="1x1x8", variants=dict(
+      ring=_capacity_found(1048576), a2a_dropless=_capacity_found(32768), a2a_cf1=_capacity_found(249856)))
+  data = dict(command="python -m benchmarks.capacity", machine={}, settings=[local, topology])
+  assert capacity.summary(data) == ("summary: capacity model=qwen3_30b gpus=1 ring_max_seq=524288 "
+                                    "a2a_max_seq=233472 cf1_max_seq=0 ratio=2.25")
+  text = capacity.render(data)
+  assert text.splitlines()[-1] == capacity.summary(data)
+  assert "| 1xH200 4 layers | a2a_cf1 | 262144 | 4 × offload | 100.0 | 128.0 | 266240 | failed: RESOURCE_EXHAUSTED" in text
+  assert "| 1x1x8 compile-only 4 layers | ring | 1048576 |" in text
+
+
+def test_capacity_merge_keeps_the_latest_setting_of_each_name(tmp_path):
+  from benchmarks import capacity  # noqa: PLC0415
+  def run(name, seq_len, path):
+    data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants=dict(
+        ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True)))])
+    path.write_text(json.dumps(data))
+    return str(path)
+
+  paths = [run("a", 1024, tmp_path / "1.json"), run("b", 4096, tmp_path / "2.json"), run("a", 2048, tmp_path / "3.json")]
+  capacity.merge(paths, str(tmp_path / "merged.json"))
+  merged = json.loads((tmp_path / "merged.json").read_text())
+  assert [(s["name"], s["variants"]["ring"]["plan"]["seq_len"]) for s in merged["settings"]] == [("a", 2048), ("b", 4096)]
+  assert merged["merged_from"] == ["run 1024", "run 4096", "run 2048"]
+  assert (tmp_path / "merged.txt").read_text().splitlines()[-1].startswith("summary: capacity model=qwen3_30b gpus=1 "
+                                                                           "ring_max_seq=4096 a2a_max_seq=2048")

@@ -1,0 +1,168 @@
+"""The activation planner (`train.plan`), the trainer's `remat: auto` and fit guard, and `relaymoe-plan`, on the tiny
+model over 8 emulated CPU devices.
+
+CPU devices report no memory limit, so each test sets a budget (`device_memory_gib`) between the compiled bytes of
+the uniform policies it measured. Every step is compiled from shapes alone; compiles are shared across the tests of
+this module (a step is the same whatever the budget, run directory or logging).
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from train import cli, loop, plan as planning
+from train.config import load_run_config
+from train.loop import StepDoesNotFit, memory_plan
+
+OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",
+             "compilation_cache_dir=''"]
+BASE = load_run_config("cpu", OVERRIDES)
+GIB = 2**30
+# RunConfig fields that do not change the compiled step.
+NOT_COMPILED = ("out_dir", "device_memory_gib", "memory_headroom", "tensorboard", "log_every", "checkpoint_every",
+                "keep_checkpoints", "compilation_cache_dir")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compiles():
+  """compile_step memoized by everything that shapes the step, for the planner and the trainer alike."""
+  compiled = {}
+  original = loop.compile_step
+
+  def compile_once(run_config, devices=None):
+    key = repr(dataclasses.replace(run_config, **{f: getattr(BASE, f) for f in NOT_COMPILED}))
+    if key not in compiled:
+      compiled[key] = original(run_config, devices)
+    return compiled[key]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loop, "compile_step", compile_once)
+    patch.setattr(planning, "compile_step", compile_once)
+    yield
+
+
+@pytest.fixture(scope="module")
+def uniform():
+  """Total bytes per device of the step with one policy in every layer."""
+  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None)
+  return {policy: planner.measure(policy)["total_bytes"] for policy in ("none", "attention", "layer")}
+
+
+def planner_with(budget):
+  return planning.Planner(BASE, int(budget), log=lambda *_: None)
+
+
+def between(uniform, fraction):
+  """A budget `fraction` of the way from every layer recomputed to none."""
+  return uniform["layer"] + fraction * (uniform["none"] - uniform["layer"])
+
+
+def memory_gib(budget):
+  """device_memory_gib whose planning budget (less the headroom) is `budget` bytes."""
+  return budget / (1 - BASE.memory_headroom) / GIB
+
+
+def test_recomputing_more_needs_less(uniform):
+  assert uniform["layer"] <= uniform["attention"] < uniform["none"], uniform
+
+
+def test_a_budget_between_the_policies_gets_a_mixed_plan_that_fits(uniform):
+  budget = between(uniform, 0.6)
+  plan = planner_with(budget).plan()
+  assert plan.fits and plan.total_bytes <= budget, plan
+  assert plan.remat != ("none", "none"), "keeping everything does not fit this budget"
+  assert plan.remat != ("layer", "layer"), "the slack above the frugal plan should buy an upgrade"
+  assert plan.remat == tuple(sorted(plan.remat, key=planning.FRUGAL_FIRST.index))
+  # The plan's bytes are those of the step it names, compiled on its own.
+  assert memory_plan(planning.with_remat(BASE, plan.remat))["total_bytes"] == plan.total_bytes
+
+
+def test_nothing_to_plan_when_everything_fits(uniform):
+  plan = planner_with(uniform["none"]).plan()
+  assert plan.fits and plan.remat == ("none", "none") and len(plan.compiles) <= 1
+
+
+def test_a_budget_below_the_frugal_plan_is_reported_not_fitting(uniform):
+  plan = planner_with(uniform["layer"] - 1).plan()
+  assert not plan.fits and plan.remat == ("layer", "layer") and plan.total_bytes == uniform["layer"]
+
+
+def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys):
+  budget = between(uniform, 0.6)
+  expected = planner_with(budget).plan()
+  config = dataclasses.replace(BASE, remat="auto", device_memory_gib=memory_gib(budget), out_dir=str(tmp_path))
+  history = loop.run(config)
+  assert [r["step"] for r in history] == [0, 1]
+  stored = json.loads((tmp_path / "run_config.json").read_text())
+  assert tuple(stored["remat_plan"]["remat"]) == expected.remat and stored["remat_plan"]["fits"]
+  assert tuple(stored["model"]["remat"]) == expected.remat
+  assert f"remat auto: {expected.summary()}" in capsys.readouterr().out
+
+
+def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
+  config = dataclasses.replace(BASE, remat="auto", device_memory_gib=memory_gib(uniform["layer"] * 0.9),
+                               out_dir=str(tmp_path))
+  with pytest.raises(StepDoesNotFit, match="remat=auto: even layer in every layer needs .* GiB per device, over "
+                                           "the budget of .* GiB. `relaymoe-plan"):
+    loop.run(config)
+  assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("fraction,suggestion", [
+    (0.6, "With remat=auto it fits: "),
+    (-0.5, "Even layer in every layer needs "),
+])
+def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion(uniform, tmp_path, fraction,
+                                                                                  suggestion):
+  limit = between(uniform, fraction)  # the step as configured (remat none) needs uniform["none"]
+  config = dataclasses.replace(BASE, device_memory_gib=limit / GIB, out_dir=str(tmp_path))
+  needs = f"{uniform['none'] / GIB:.2f} GiB"
+  with pytest.raises(StepDoesNotFit, match=f"the train step needs {needs} per device .* and the device allows "
+                                           f".* GiB: batch_size=8 seq_len=128 remat=none does not fit. {suggestion}"):
+    loop.run(config)
+  assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "run_config.json").exists()
+
+
+def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--config", "cpu", "--out", str(tmp_path), *OVERRIDES,
+              f"device_memory_gib={between(uniform, 0.6) / GIB}"])
+  stderr = capsys.readouterr().err
+  assert exit_info.value.code == 2
+  assert stderr.startswith("relaymoe-train: error: the train step needs ") and stderr.count("\n") == 1, stderr
+  assert "With remat=auto it fits" in stderr
+
+
+def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  budget = between(uniform, 0.6)
+  cli.plan_main(["--config", "cpu", "--out", str(tmp_path), "--variants", "ring,a2a_cf1", *OVERRIDES,
+                 f"device_memory_gib={memory_gib(budget)}"])
+  written = json.loads((tmp_path / "plan.json").read_text())
+  assert list(written["variants"]) == ["ring", "a2a_cf1"] and written["devices"] == 8
+  ring, cf1 = written["variants"]["ring"], written["variants"]["a2a_cf1"]
+  assert ring["dispatcher"] == "ring_expert" and tuple(ring["plan"]["remat"]) == planner_with(budget).plan().remat
+  assert cf1["dispatcher"] == "all_to_all" and cf1["options"] == {"capacity_factor": 1.0}
+  for found in (ring, cf1):
+    assert found["plan"]["total_bytes"] <= budget + 1 or not found["plan"]["fits"]
+  table = capsys.readouterr().out
+  assert "| ring | ring_expert | 8 | 128 |" in table and "| a2a_cf1 | all_to_all | 8 | 128 |" in table
+
+
+def test_plan_needs_a_memory_limit_on_cpu():
+  with pytest.raises(ValueError, match="cpu devices report no memory limit: set device_memory_gib"):
+    planning.resolve_remat(dataclasses.replace(BASE, remat="auto"))
+
+
+@pytest.mark.slow
+def test_maximize_finds_the_longest_sequence_that_fits(uniform):
+  budget = between(uniform, 0.5)  # every layer recomputed: somewhat more than seq_len 128 fits
+  planner = planner_with(budget)
+  plan, above = planner.maximize("seq_len", 16, upgrade=False)
+  assert plan.fits and plan.remat == ("layer", "layer") and plan.seq_len % 16 == 0 and plan.seq_len >= 128
+  assert planner.measure("layer", seq_len=above)["total_bytes"] > budget
+  assert above - plan.seq_len <= max(16, plan.seq_len // 32 // 16 * 16), (plan.seq_len, above)
