@@ -30,12 +30,13 @@ def _plain(x, head, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-@pytest.mark.parametrize("mesh_shape,vocab_axis,chunk_tokens", [
-    ((2, 4, 1), None, 10),  # 10 tokens per device: 5 positions of the local batch of 2, a tail chunk of 2 of 37
-    ((2, 2, 2), "tensor", 16),  # vocabulary split over 'tensor'
-    ((2, 4, 1), None, 10_000),  # one chunk: the whole sequence
+@pytest.mark.parametrize("mesh_shape,vocab_axis,chunk_tokens,vocab_tile", [
+    # 10 tokens per device: 5 positions of the local batch of 2, a tail chunk of 2 of 37; tiles 24 + 24 + 16 of 64
+    ((2, 4, 1), None, 10, 24),
+    ((2, 2, 2), "tensor", 16, 12),  # vocabulary split over 'tensor': 32 columns per device, tiles 12 + 12 + 8
+    ((2, 4, 1), None, 10_000, 10_000),  # one chunk, one tile
 ])
-def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_axis, chunk_tokens):
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_axis, chunk_tokens, vocab_tile):
   mesh = mesh_of(mesh_shape, TOKEN_AXES + ("tensor",))
   rng = np.random.default_rng(0)
   b, s, d, v = 8, 37, 16, 64
@@ -46,7 +47,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_
 
   def chunked(x, head):
     return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES, vocab_axis=vocab_axis,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
 
   assert_close(jax.jit(chunked)(x, head), _plain(x, head, labels), LOSS_RTOL, "per-token loss")
   weighted = lambda f: lambda x, head: jnp.sum(f(x, head) * weights)  # noqa: E731
