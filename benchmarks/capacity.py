@@ -123,7 +123,7 @@ def confirm(config, layers, results, work, overrides=()):
     print(f"  {variant} at {seq}: {found['above_limit' if lift else 'at_limit']}", flush=True)
 
 
-def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024):
+def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384):
   """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device: plain (full float32 logits) and
   chunked. Compile-only."""
   import jax  # noqa: PLC0415
@@ -145,13 +145,14 @@ def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_toke
 
   def chunked(x, head, labels):
     return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=axes[:2], vocab_axis="tensor",
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
 
   def temps(loss):
     step = jax.jit(jax.value_and_grad(lambda x, h, l: loss(x, h, l).mean(), (0, 1)))
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30
 
-  return dict(tokens=tokens, d_model=d_model, vocab=vocab, chunk_tokens=chunk_tokens, plain_temp_gib=temps(plain),
+  return dict(tokens=tokens, d_model=d_model, vocab=vocab, chunk_tokens=chunk_tokens, vocab_tile=vocab_tile,
+              plain_temp_gib=temps(plain),
               chunked_temp_gib=temps(chunked), full_logits_gib=tokens * vocab * 4 / 2**30)
 
 
@@ -180,7 +181,8 @@ def render(data):
   if head:
     lines += ["", f"Loss head fwd+bwd at {head['tokens']} tokens (D {head['d_model']}, vocab {head['vocab']}), "
               f"compiled temporaries: plain {head['plain_temp_gib']:.1f} GiB (full float32 logits "
-              f"{head['full_logits_gib']:.1f} GiB), chunked ({head['chunk_tokens']} tokens) "
+              f"{head['full_logits_gib']:.1f} GiB), chunked ({head['chunk_tokens']} tokens × "
+              f"{head.get('vocab_tile', head['vocab'])} columns) "
               f"{head['chunked_temp_gib']:.2f} GiB."]
   lines.append(summary(data))
   return "\n".join(lines)
