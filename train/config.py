@@ -17,13 +17,19 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-  """kind: synthetic (built-in language with a known entropy floor), tokens (pre-tokenised .bin), text (bytes)."""
+  """kind: synthetic (built-in language with a known entropy floor), tokens (pre-tokenised .bin), text (bytes, or
+  tokens of `tokenizer`: `train.text`)."""
 
   kind: str = "synthetic"
   path: str = ""
   token_dtype: str = "uint16"  # tokens: uint16 or uint32
   branching: int = 4  # synthetic: successors per token; the loss floor is ln(branching)
   seed: int = 0
+  tokenizer: str = ""  # text: a Hugging Face tokenizer.json; "" = bytes
+  text_field: str = "text"  # text with a tokenizer, .jsonl input: the field holding each document
+  separator: str = ""  # text with a tokenizer, plain-text input: a line equal to this ends a document; "" = blank
+  eos_token: str | int = ""  # written after every document: a token name or id; "" = found in the tokenizer
+  cache_dir: str = ""  # where tokenised text is cached as .bin; "" = beside the input
 
   def __post_init__(self):
     if self.kind not in ("synthetic", "tokens", "text"):
@@ -32,6 +38,12 @@ class DataConfig:
       raise ValueError(f"data.kind={self.kind!r} needs data.path")
     if self.token_dtype not in ("uint16", "uint32"):
       raise ValueError(f"data.token_dtype={self.token_dtype!r} must be uint16 or uint32")
+    if self.tokenizer and self.kind != "text":
+      raise ValueError(f"data.tokenizer is for data.kind=text, not {self.kind!r}")
+    if not self.text_field:
+      raise ValueError("data.text_field must not be empty")
+    if isinstance(self.eos_token, int) and self.eos_token < 0:
+      raise ValueError(f"data.eos_token={self.eos_token} must be a token name or an id ≥ 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,13 +1,18 @@
 """Training batches [B, S+1] of int32 tokens, deterministic in the step number, so a resumed run continues exactly.
 
 Sources: a built-in synthetic language (no download; its loss floor is known), memory-mapped pre-tokenised .bin
-files (uint16/uint32, the common format), and UTF-8 text read as bytes.
+files (uint16/uint32, the common format), and UTF-8 text, read as bytes or tokenised with a tokenizer.json into a
+cached .bin (`train.text`).
 """
 
 import math
 import pathlib
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from train.text import TokenizedText
 
 
 class SyntheticLanguage:
@@ -62,6 +67,25 @@ def make_source(data_config, vocab_size):
     raise ValueError(f"data.path {str(path)!r} does not exist")
   if kind == "tokens":
     return TokenWindows(np.memmap(path, dtype=data_config.token_dtype, mode="r"), vocab_size)
+  if data_config.tokenizer:
+    return _tokenized_text(data_config, vocab_size)
   if vocab_size < 256:
     raise ValueError(f"text data is byte-level and needs vocab_size ≥ 256; the model has {vocab_size}")
   return TokenWindows(np.frombuffer(path.read_bytes(), dtype=np.uint8), vocab_size)
+
+
+def _tokenized_text(data_config, vocab_size):
+  """Windows over the text's cached tokens: process 0 tokenises (when the cache is missing), the others wait for it."""
+  text = TokenizedText(data_config)
+  if jax.process_index() == 0:
+    text.build()
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("relaymoe: tokenized text cached")
+    if not text.cache.exists():
+      raise ValueError(f"process {jax.process_index()} does not see the tokenised cache {text.cache} that process 0 "
+                       "wrote: put data.cache_dir on a filesystem all processes share")
+  try:
+    return TokenWindows(text.tokens(), vocab_size)
+  except ValueError as err:
+    raise ValueError(f"{err} (the tokenizer {data_config.tokenizer} has {text.vocab_size} ids: set "
+                     f"model.vocab_size ≥ {text.vocab_size})") from None

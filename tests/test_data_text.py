@@ -1,0 +1,155 @@
+"""Text tokenised with a tokenizer.json (`train.text`): the token stream of .txt and .jsonl input, the cache (reused,
+renewed when the input or tokenizer changes, never left partial), the errors a user can act on, and a short run."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import train.text
+from conftest import requires_devices
+from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
+from train.data import make_source
+from train.loop import run
+
+SENTENCES = ["the relay passes tokens around the ring", "experts compute their rows and send them back",
+             "hello world, the ring turns", "a router picks two experts for every token"]
+DOCUMENTS = ["the relay passes tokens\naround the ring", "hello world, the ring turns", "experts compute"]
+
+
+def make_tokenizer(path, special_tokens=("<unk>", "<|endoftext|>"), vocab_size=90):
+  tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  tokenizer.train_from_iterator(SENTENCES, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False))
+  tokenizer.save(str(path))
+  return tokenizer
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+  return make_tokenizer(tmp_path / "tokenizer.json")
+
+
+def text_config(tmp_path, path, **changes):
+  return DataConfig(kind="text", path=str(path), tokenizer=str(tmp_path / "tokenizer.json"), **changes)
+
+
+def expected_stream(tokenizer, documents, eos):
+  return [i for d in documents for i in (*tokenizer.encode(d, add_special_tokens=False).ids, eos)]
+
+
+def write_jsonl(path, records):
+  path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def test_plain_text_is_documents_between_blank_lines_each_followed_by_eos(tmp_path, tokenizer):
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n" + DOCUMENTS[0] + "\n\n\n" + DOCUMENTS[1] + "\n  \n" + DOCUMENTS[2] + "\n", encoding="utf-8")
+  source = make_source(text_config(tmp_path, corpus), 128)
+  eos = tokenizer.token_to_id("<|endoftext|>")
+  assert source.tokens.dtype == np.uint16
+  assert source.tokens.tolist() == expected_stream(tokenizer, DOCUMENTS, eos)
+  np.testing.assert_array_equal(source.batch(1, 1, 4)[0], source.tokens[4:9])
+
+  corpus.write_text(f"{DOCUMENTS[0]}\n\n{DOCUMENTS[1]}\n<|endoftext|>\n{DOCUMENTS[2]}\n", encoding="utf-8")
+  source = make_source(text_config(tmp_path, corpus, separator="<|endoftext|>"), 128)
+  assert source.tokens.tolist() == expected_stream(tokenizer, [f"{DOCUMENTS[0]}\n\n{DOCUMENTS[1]}", DOCUMENTS[2]], eos)
+
+
+def test_jsonl_is_one_document_per_line_in_its_text_field(tmp_path, tokenizer):
+  corpus = tmp_path / "corpus.jsonl"
+  write_jsonl(corpus, [{"id": i, "body": d} for i, d in enumerate(DOCUMENTS)])
+  source = make_source(text_config(tmp_path, corpus, text_field="body", eos_token="<unk>"), 128)
+  assert source.tokens.tolist() == expected_stream(tokenizer, DOCUMENTS, tokenizer.token_to_id("<unk>"))
+  by_id = make_source(text_config(tmp_path, corpus, text_field="body", eos_token=0), 128)
+  assert by_id.tokens.tolist() == source.tokens.tolist()
+
+
+def test_the_cache_is_reused_and_renewed_when_the_input_or_tokenizer_changes(tmp_path, tokenizer, monkeypatch):
+  corpus = tmp_path / "corpus.jsonl"
+  write_jsonl(corpus, [{"text": d} for d in DOCUMENTS])
+  config = text_config(tmp_path, corpus, cache_dir=str(tmp_path / "cache"))
+  first = make_source(config, 128).tokens.tolist()
+  [cache] = (tmp_path / "cache").iterdir()
+  assert cache.name.startswith("corpus.jsonl.") and cache.name.endswith(".uint16.bin")
+  written = cache.stat().st_mtime_ns
+
+  def no_encoding(*args):
+    raise AssertionError("tokenised again")
+  with monkeypatch.context() as m:
+    m.setattr(train.text, "encode", no_encoding)
+    assert make_source(config, 128).tokens.tolist() == first
+  assert cache.stat().st_mtime_ns == written
+
+  write_jsonl(corpus, [{"text": d} for d in DOCUMENTS[:2]])
+  changed_input = make_source(config, 128).tokens.tolist()
+  assert changed_input == expected_stream(tokenizer, DOCUMENTS[:2], tokenizer.token_to_id("<|endoftext|>"))
+  other = make_tokenizer(tmp_path / "tokenizer.json", special_tokens=("<|endoftext|>", "<unk>"))
+  changed_tokenizer = make_source(config, 128).tokens.tolist()
+  assert changed_tokenizer == expected_stream(other, DOCUMENTS[:2], other.token_to_id("<|endoftext|>"))
+  assert changed_tokenizer != changed_input
+  assert len(list((tmp_path / "cache").iterdir())) == 3  # earlier caches are left, never overwritten
+
+
+def test_a_failure_while_tokenising_leaves_no_cache_and_names_the_line(tmp_path, tokenizer, monkeypatch):
+  monkeypatch.setattr(train.text, "BATCH_CHARS", 1)  # a batch per document: the first are written before line 4
+  corpus = tmp_path / "corpus.jsonl"
+  write_jsonl(corpus, [{"text": d} for d in DOCUMENTS] + [{"txt": "a typo"}])
+  with pytest.raises(ValueError, match=r"corpus.jsonl, line 4: no string field 'text' \(data.text_field\)"):
+    make_source(text_config(tmp_path, corpus), 128)
+  write_jsonl(corpus, [{"text": d} for d in DOCUMENTS])
+  corpus.write_text(corpus.read_text() + "\n{not json\n")
+  with pytest.raises(ValueError, match=r"corpus.jsonl, line 5: not JSON"):  # the blank line 4 counts, skipped
+    make_source(text_config(tmp_path, corpus), 128)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "tokenizer.json"]
+
+
+def test_errors_name_what_to_set(tmp_path):
+  make_tokenizer(tmp_path / "tokenizer.json", special_tokens=("<unk>", "[SEP]"))
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n\n".join(DOCUMENTS), encoding="utf-8")
+  with pytest.raises(ValueError, match=r"none of the usual end-of-document tokens .*set data.eos_token"):
+    make_source(text_config(tmp_path, corpus), 128)
+  with pytest.raises(ValueError, match=r"data.eos_token='</s>' is not a token of the tokenizer"):
+    make_source(text_config(tmp_path, corpus, eos_token="</s>"), 128)
+  with pytest.raises(ValueError, match=r"data.eos_token=5000 is not an id of the tokenizer"):
+    make_source(text_config(tmp_path, corpus, eos_token=5000), 128)
+  assert make_source(text_config(tmp_path, corpus, eos_token="[SEP]"), 128).tokens[-1] == 1
+  with pytest.raises(ValueError, match=r"token id \d+ is out of range for vocab_size=16 \(the tokenizer .* has \d+ "
+                                       r"ids: set model.vocab_size ≥ \d+\)"):
+    make_source(text_config(tmp_path, corpus, eos_token="[SEP]"), 16)
+  with pytest.raises(ValueError, match="data.tokenizer 'nonesuch.json' is not a file"):
+    make_source(DataConfig(kind="text", path=str(corpus), tokenizer="nonesuch.json"), 128)
+  (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
+  with pytest.raises(ValueError, match="holds no documents"):
+    make_source(text_config(tmp_path, tmp_path / "empty.txt", eos_token="[SEP]"), 128)
+  with pytest.raises(ValueError, match="data.tokenizer is for data.kind=text"):
+    load_run_config("cpu", ["data.kind=tokens", "data.path=t.bin", "data.tokenizer=tokenizer.json"])
+  with pytest.raises(ValueError, match=r"data.eos_token=\[1\] is not a string \(quote it\), or an int"):
+    load_run_config("cpu", ["data.eos_token=[1]"])
+
+
+def test_without_a_tokenizer_text_is_still_bytes(tmp_path):
+  (tmp_path / "t.txt").write_text("héllo", encoding="utf-8")
+  assert make_source(DataConfig(kind="text", path=str(tmp_path / "t.txt")), 256).tokens.tolist() == \
+      list("héllo".encode("utf-8"))
+
+
+def test_a_short_run_trains_on_tokenised_text(tmp_path, tokenizer):
+  requires_devices(8)
+  corpus = tmp_path / "corpus.jsonl"
+  write_jsonl(corpus, [{"text": s} for s in SENTENCES * 4])
+  config = RunConfig(model="tiny", model_overrides={"vocab_size": 96}, mesh=MeshConfig(data=2, expert=4),
+                     batch_size=8, seq_len=16, steps=4, log_every=1, checkpoint_every=0,
+                     out_dir=str(tmp_path / "run"), tensorboard=False,
+                     data=text_config(tmp_path, corpus))
+  history = run(config)
+  assert [r["step"] for r in history] == [0, 1, 2, 3]
+  assert all(math.isfinite(r["loss"]) for r in history)
+  assert history[0]["loss"] == pytest.approx(math.log(96), abs=0.3)
+  saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["run"]["data"]
+  assert saved["tokenizer"] == str(tmp_path / "tokenizer.json") and os.path.exists(saved["path"])
