@@ -113,6 +113,12 @@ def _as_bool(value):
   raise TypeError(value)
 
 
+def _as_str(value):
+  if value is None:  # `key=` and YAML's `key:` with nothing after it: the empty string
+    return ""
+  return _of_type(str)(value)
+
+
 def _of_type(kind):
   def check(value):
     if not isinstance(value, kind):
@@ -121,7 +127,7 @@ def _of_type(kind):
   return check
 
 
-_SCALARS = {int: _as_int, float: _as_float, bool: _as_bool, str: _of_type(str), dict: _of_type(dict)}
+_SCALARS = {int: _as_int, float: _as_float, bool: _as_bool, str: _as_str, dict: _of_type(dict)}
 _DESCRIPTIONS = {int: "an int", float: "a float", bool: "true or false", str: "a string (quote it)",
                  dict: "a mapping"}
 

@@ -46,6 +46,7 @@ def logged_steps(out):
     (["mesh.data=2.0"], "mesh.data", 2),
     (["tensorboard=false"], "tensorboard", False),
     (["out_dir='123'"], "out_dir", "123"),
+    (["compilation_cache_dir="], "compilation_cache_dir", ""),  # what the shell leaves of compilation_cache_dir=''
     (["model.remat=[layer, none]"], "model.remat", ("layer", "none")),
     (["model.remat=offload"], "model.remat", "offload"),
     (["model.rms_norm_eps=1e-5"], "model.rms_norm_eps", 1e-5),
