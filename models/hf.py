@@ -2,9 +2,10 @@
 
 Import reads a local directory (`config.json` and `*.safetensors`, with or without `model.safetensors.index.json`)
 straight into the sharded layout: the model is built abstractly (`nnx.eval_shape`) for every parameter's shape and
-`NamedSharding`, and each parameter is filled by `jax.make_array_from_callback`, whose callback reads from the
-safetensors files only the slice one device holds (transposed, and stacked over experts and layers, as needed).
-Host memory stays near one such slice; the whole checkpoint is never in memory.
+`NamedSharding`, and each parameter is filled device by device (as `jax.make_array_from_callback` does, but
+placing each slice before reading the next) with only the slice that device holds, read from the safetensors files
+(transposed, and stacked over experts and layers, as needed). Host memory stays near one such slice; the whole
+checkpoint is never in memory.
 
 Both expert layouts are read: per expert (`mlp.experts.J.{gate,up,down}_proj.weight`, [out, in], what
 `save_pretrained` writes) and fused (`mlp.experts.gate_up_proj` [E, 2F, D] with the gate rows first,
@@ -373,30 +374,40 @@ def _check_tensors(config, checkpoint, params, shapes):
                        f"the config needs {list(shape)}")
 
 
-def _callback(checkpoint, param, shape, dtype):
-  """make_array_from_callback's callback for one parameter: reads the slice a device asks for, layer by layer.
-  Devices holding the same slice (replicas) share one read."""
-  last = {}
+def _reader(checkpoint, param, shape, dtype):
+  """Reads the slice `index` of one parameter (global `shape`) in `dtype`, layer by layer when stacked."""
 
   def read(index):
     index = _normalize(index, shape)
-    key = tuple((s.start, s.stop) for s in index)
-    if key not in last:
-      last.clear()
-      if param.stacked:
-        per_layer = shape[1:]
-        parts = [read_source(checkpoint, param.sources[layer], index[1:], per_layer).astype(dtype)
-                 for layer in range(index[0].start, index[0].stop)]
-        last[key] = np.stack(parts)
-      else:
-        last[key] = np.ascontiguousarray(read_source(checkpoint, param.sources[0], index, shape).astype(dtype))
-    return last[key]
+    if not param.stacked:
+      return np.ascontiguousarray(read_source(checkpoint, param.sources[0], index, shape), dtype=dtype)
+    layers = index[0]
+    out = np.empty((layers.stop - layers.start,) + tuple(s.stop - s.start for s in index[1:]), dtype)
+    for j, layer in enumerate(range(layers.start, layers.stop)):
+      out[j] = read_source(checkpoint, param.sources[layer], index[1:], shape[1:])
+    return out
 
   return read
 
 
-def load_params(config, mesh, hf_dir):
-  """(graphdef, state) of the model with every parameter read from `hf_dir` straight into its sharding."""
+def _make_array(shape, sharding, read):
+  """The global array whose device slices `read(index)` gives, like `jax.make_array_from_callback`, which holds
+  every local device's slice in host memory before placing any: here each goes to its device before the next is
+  read (devices holding the same slice share one read), so host memory stays near one device's slice."""
+  arrays, last = [], {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    key = tuple((s.start, s.stop) for s in _normalize(index, shape))
+    if key not in last:
+      last.clear()
+      last[key] = read(index)
+    arrays.append(jax.device_put(last[key], device))
+  last.clear()
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def load_params(config, mesh, hf_dir, device_by_device=True):
+  """(graphdef, state) of the model with every parameter read from `hf_dir` straight into its sharding
+  (`device_by_device=False`: through `jax.make_array_from_callback`, for comparison)."""
   checkpoint = Checkpoint(hf_dir)
   graphdef, state, shapes = abstract_state(config, mesh)
   params = param_sources(config, shapes, _fused_layers(config, checkpoint))
@@ -404,9 +415,9 @@ def load_params(config, mesh, hf_dir):
   arrays = {}
   for path, param in params.items():
     shape = shapes[path]
-    arrays[path] = jax.make_array_from_callback(
-        shape.shape, shape.sharding, _callback(checkpoint, param, shape.shape, np.dtype(shape.dtype)),
-        dtype=shape.dtype)
+    read = _reader(checkpoint, param, shape.shape, np.dtype(shape.dtype))
+    make = _make_array if device_by_device else jax.make_array_from_callback
+    arrays[path] = make(shape.shape, shape.sharding, read)
   nnx.replace_by_pure_dict(state, _nest(arrays))
   return graphdef, state
 
