@@ -73,10 +73,10 @@ def measure(hf_dir, mode):
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
-  resident = sum(s.data.nbytes for p in params for s in p.addressable_shards)
+  slices = [s.data.nbytes for p in params for s in p.addressable_shards]
   del held
-  print(json.dumps(dict(mode=mode, baseline=baseline, peak=_peak_rss_bytes(), resident=resident,
-                        seconds=seconds, largest_slice=max(s.data.nbytes for p in params for s in p.addressable_shards))))
+  print(json.dumps(dict(mode=mode, baseline=baseline, peak=_peak_rss_bytes(), resident=sum(slices),
+                        seconds=seconds, largest_slice=max(slices))))
 
 
 def _child(*args):
@@ -107,8 +107,8 @@ def main():
            f"# command: python -m benchmarks.hf_load_memory   (model {CONFIG}, mesh {MESH}, files of "
            f"{MAX_SHARD_BYTES // MIB} MiB)",
            f"checkpoint on disk: {checkpoint / MIB:.0f} MiB in {len(files)} files",
-           "| loader | baseline MiB | peak MiB | loaded model's bytes on the 8 devices MiB | overhead = peak − baseline"
-           " − model MiB | overhead / checkpoint | seconds |", "|---|---|---|---|---|---|---|"]
+           "| loader | baseline MiB | peak MiB | loaded model's bytes on the 8 devices MiB | overhead = peak − "
+           "baseline − model MiB | overhead / checkpoint | seconds |", "|---|---|---|---|---|---|---|"]
   for run in runs:
     overhead = run["peak"] - run["baseline"] - run["resident"]
     name = MODES[run["mode"]]

@@ -32,6 +32,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # Hugging Face config defaults where a config.json leaves a key out (both families share them).
 _HF_DEFAULTS = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, tie_word_embeddings=False,
                     rms_norm_eps=1e-6, rope_theta=10000.0, router_aux_loss_coef=0.001, initializer_range=0.02)
+_REQUIRED_BOTH = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_experts_per_tok")
+_REQUIRED = {"qwen3_moe": _REQUIRED_BOTH, "qwen2_moe": _REQUIRED_BOTH + ("shared_expert_intermediate_size",)}
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
                        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
                        "BOOL": np.bool_}
@@ -59,13 +62,18 @@ def config_from_hf(hf_dir, **overrides) -> qwen3.Qwen3MoEConfig:
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
   _check_supported(hf, path)
   get = lambda key: hf[key] if hf.get(key) is not None else _HF_DEFAULTS[key]  # noqa: E731
+  missing = [k for k in _REQUIRED[model_type] if hf.get(k) is None]
+  if hf.get("num_experts", hf.get("num_local_experts")) is None:
+    missing.append("num_experts")
+  if missing:
+    raise ValueError(f"{path}: missing key(s) {missing}")
   heads = hf["num_attention_heads"]
   fields = dict(
       vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
       moe_intermediate_size=hf["moe_intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
       num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+      num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # transformers 5 writes num_local_experts
       num_experts_per_tok=hf["num_experts_per_tok"], norm_topk_prob=get("norm_topk_prob"),
       rms_norm_eps=get("rms_norm_eps"), rope_theta=_rope_theta(hf), decoder_sparse_step=get("decoder_sparse_step"),
       mlp_only_layers=list(get("mlp_only_layers")), tie_word_embeddings=get("tie_word_embeddings"),
@@ -73,9 +81,6 @@ def config_from_hf(hf_dir, **overrides) -> qwen3.Qwen3MoEConfig:
   if model_type == "qwen2_moe":
     fields.update(attention_bias=hf.get("qkv_bias", True), qk_norm=False,
                   shared_expert_intermediate_size=hf["shared_expert_intermediate_size"])
-  missing = [k for k, v in fields.items() if v is None]
-  if missing:
-    raise ValueError(f"{path}: missing key(s) {missing}")
   return from_mapping(qwen3.Qwen3MoEConfig, dict(fields, **overrides), f"Hugging Face config {path}")
 
 
@@ -120,7 +125,7 @@ def config_to_hf(config) -> dict:
       decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
       tie_word_embeddings=c.tie_word_embeddings, router_aux_loss_coef=c.router_aux_loss_coef,
       initializer_range=c.initializer_range, hidden_act="silu", use_sliding_window=False,
-      torch_dtype=c.param_dtype)
+      torch_dtype=c.param_dtype, dtype=c.param_dtype)  # transformers 4 reads torch_dtype, 5 dtype
   if qwen2:
     out.update(qkv_bias=c.attention_bias, shared_expert_intermediate_size=c.shared_expert_intermediate_size)
   else:
@@ -168,8 +173,8 @@ _SHARED = {("mlp", "shared_gate_DS"): Source("mlp.shared_expert.gate_proj.weight
            ("mlp", "shared_up_DS"): Source("mlp.shared_expert.up_proj.weight", "T"),
            ("mlp", "shared_down_SD"): Source("mlp.shared_expert.down_proj.weight", "T"),
            ("mlp", "shared_gate_D1"): Source("mlp.shared_expert_gate.weight", "T")}
-_TOP = {("embed_VD",): Source("model.embed_tokens.weight", "copy"), ("norm", "weight"): Source("model.norm.weight", "copy"),
-        ("lm_head_DV",): Source("lm_head.weight", "T")}
+_TOP = {("embed_VD",): Source("model.embed_tokens.weight", "copy"),
+        ("norm", "weight"): Source("model.norm.weight", "copy"), ("lm_head_DV",): Source("lm_head.weight", "T")}
 
 
 def layer_sources(config, layer, fused=False):
