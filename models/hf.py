@@ -397,16 +397,13 @@ def _reader(checkpoint, param, shape, dtype):
 
 def _make_array(shape, sharding, read):
   """The global array whose device slices `read(index)` gives, like `jax.make_array_from_callback`, which holds
-  every local device's slice in host memory before placing any: here each goes to its device before the next is
-  read (devices holding the same slice share one read), so host memory stays near one device's slice."""
-  arrays, last = [], {}
+  every local device's slice in host memory before placing any: here each slice goes to its device before the next
+  is read, so host memory stays near one device's slice. A replica is copied from the device already holding it."""
+  arrays, placed = [], {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     key = tuple((s.start, s.stop) for s in _normalize(index, shape))
-    if key not in last:
-      last.clear()
-      last[key] = read(index)
-    arrays.append(jax.device_put(last[key], device))
-  last.clear()
+    arrays.append(jax.device_put(placed[key] if key in placed else read(index), device))
+    placed.setdefault(key, arrays[-1])
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
