@@ -437,3 +437,24 @@ def create_sharded(config, mesh, seed=0):
   """Builds the model inside jit so each parameter is created directly with its sharding (no host copy)."""
 
   return nnx.jit(lambda: Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(seed)))()
+
+
+HF_MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
+
+
+def config_from_hf(hf_dir, **overrides):
+  """`models.hf.config_from_hf`: our config from a Hugging Face qwen3_moe / qwen2_moe `config.json`."""
+  from models import hf  # here, not at the top: models.hf imports this module
+  return hf.config_from_hf(hf_dir, **overrides)
+
+
+def from_hf(hf_dir, *, mesh, **config_overrides):
+  """`models.hf.from_hf`: the model of a local Hugging Face checkpoint, read straight into its sharding."""
+  from models import hf
+  return hf.from_hf(hf_dir, mesh=mesh, **config_overrides)
+
+
+def to_hf(model, out_dir, *, max_shard_bytes=HF_MAX_SHARD_BYTES):
+  """`models.hf.to_hf`: writes the model as a Hugging Face checkpoint, in files of at most max_shard_bytes."""
+  from models import hf
+  return hf.to_hf(model, out_dir, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,529 @@
+"""Hugging Face checkpoints of Qwen3-MoE (`qwen3_moe`) and Qwen2-MoE (`qwen2_moe`): config, import and export.
+
+Import reads a local directory (`config.json` and `*.safetensors`, with or without `model.safetensors.index.json`)
+straight into the sharded layout: the model is built abstractly (`nnx.eval_shape`) for every parameter's shape and
+`NamedSharding`, and each parameter is filled by `jax.make_array_from_callback`, whose callback reads from the
+safetensors files only the slice one device holds (transposed, and stacked over experts and layers, as needed).
+Host memory stays near one such slice; the whole checkpoint is never in memory.
+
+Both expert layouts are read: per expert (`mlp.experts.J.{gate,up,down}_proj.weight`, [out, in], what
+`save_pretrained` writes) and fused (`mlp.experts.gate_up_proj` [E, 2F, D] with the gate rows first,
+`mlp.experts.down_proj` [E, D, F], what recent transformers holds in memory). Export writes the per-expert layout.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models import qwen3
+from models.config import from_mapping
+
+FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+INDEX_FILE = "model.safetensors.index.json"
+# Hugging Face config defaults where a config.json leaves a key out (both families share them).
+_HF_DEFAULTS = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, tie_word_embeddings=False,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, router_aux_loss_coef=0.001, initializer_range=0.02)
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def config_from_hf(hf_dir, **overrides) -> qwen3.Qwen3MoEConfig:
+  """Our config from a Hugging Face `config.json` (model_type qwen3_moe or qwen2_moe), `overrides` on top.
+
+  Args:
+    hf_dir: a directory holding `config.json`.
+    **overrides: any `Qwen3MoEConfig` field (dispatcher, dtype, scan_layers, remat, ...), applied last.
+
+  Raises:
+    ValueError: an unknown model_type (named), a feature the model does not have (sliding window, RoPE scaling,
+      an activation other than SiLU, Qwen3 attention biases, which include o_proj's), or a bad override.
+  """
+  path = pathlib.Path(hf_dir) / "config.json"
+  hf = json.loads(path.read_text())
+  model_type = hf.get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
+  _check_supported(hf, path)
+  get = lambda key: hf[key] if hf.get(key) is not None else _HF_DEFAULTS[key]  # noqa: E731
+  heads = hf["num_attention_heads"]
+  fields = dict(
+      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+      moe_intermediate_size=hf["moe_intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
+      num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+      num_experts_per_tok=hf["num_experts_per_tok"], norm_topk_prob=get("norm_topk_prob"),
+      rms_norm_eps=get("rms_norm_eps"), rope_theta=_rope_theta(hf), decoder_sparse_step=get("decoder_sparse_step"),
+      mlp_only_layers=list(get("mlp_only_layers")), tie_word_embeddings=get("tie_word_embeddings"),
+      router_aux_loss_coef=get("router_aux_loss_coef"), initializer_range=get("initializer_range"))
+  if model_type == "qwen2_moe":
+    fields.update(attention_bias=hf.get("qkv_bias", True), qk_norm=False,
+                  shared_expert_intermediate_size=hf["shared_expert_intermediate_size"])
+  missing = [k for k, v in fields.items() if v is None]
+  if missing:
+    raise ValueError(f"{path}: missing key(s) {missing}")
+  return from_mapping(qwen3.Qwen3MoEConfig, dict(fields, **overrides), f"Hugging Face config {path}")
+
+
+def _check_supported(hf, path):
+  if hf.get("use_sliding_window"):
+    raise ValueError(f"{path}: use_sliding_window=true is not supported (full causal attention only)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not supported (SiLU only)")
+  if hf["model_type"] == "qwen3_moe" and hf.get("attention_bias"):
+    raise ValueError(f"{path}: attention_bias=true is not supported for qwen3_moe (it adds an o_proj bias)")
+  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind != "default":
+    raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported (default RoPE only)")
+
+
+def _rope_theta(hf):
+  """rope_theta at the top level (transformers 4) or inside rope_parameters (transformers 5)."""
+  if hf.get("rope_theta") is not None:
+    return hf["rope_theta"]
+  return (hf.get("rope_parameters") or {}).get("rope_theta", _HF_DEFAULTS["rope_theta"])
+
+
+def config_to_hf(config) -> dict:
+  """The `config.json` of a Hugging Face checkpoint of `config`: qwen2_moe where it has a shared expert and no
+  q/k norm, qwen3_moe where it has q/k norm and neither a shared expert nor biases; anything else raises."""
+  c = config
+  qwen2 = not c.qk_norm and c.shared_expert_intermediate_size > 0
+  qwen3_ = c.qk_norm and not c.shared_expert_intermediate_size and not c.attention_bias
+  if not (qwen2 or qwen3_):
+    raise ValueError(f"no Hugging Face family holds qk_norm={c.qk_norm}, attention_bias={c.attention_bias}, "
+                     f"shared_expert_intermediate_size={c.shared_expert_intermediate_size}: qwen3_moe has q/k norm "
+                     "and neither biases nor a shared expert; qwen2_moe has a shared expert and no q/k norm")
+  model_type = "qwen2_moe" if qwen2 else "qwen3_moe"
+  out = dict(
+      architectures=[FAMILIES[model_type]], model_type=model_type, vocab_size=c.vocab_size,
+      hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, moe_intermediate_size=c.moe_intermediate_size,
+      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, num_experts=c.num_experts,
+      num_experts_per_tok=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, rms_norm_eps=c.rms_norm_eps,
+      rope_theta=c.rope_theta, rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
+      decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
+      tie_word_embeddings=c.tie_word_embeddings, router_aux_loss_coef=c.router_aux_loss_coef,
+      initializer_range=c.initializer_range, hidden_act="silu", use_sliding_window=False,
+      torch_dtype=c.param_dtype)
+  if qwen2:
+    out.update(qkv_bias=c.attention_bias, shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+  else:
+    out.update(attention_bias=False)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Names: each of our parameters and the Hugging Face tensor(s) it comes from.
+#
+# How an array of ours relates to its Hugging Face tensor(s):
+#   copy     the same array;
+#   T        a torch Linear's [out, in] weight, transposed;
+#   experts  one [out, in] tensor per expert ("{e}" in the key), each transposed, stacked on a leading E axis;
+#   gate/up  the first/second half of the rows of fused gate_up_proj [E, 2F, D], each expert transposed;
+#   down     fused down_proj [E, D, F], each expert transposed.
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """The Hugging Face tensor (`key`, "{e}" per expert for `experts`) and relation (`how`) of one of our arrays."""
+  key: str
+  how: str
+
+
+_ATTENTION = {
+    ("input_norm", "weight"): Source("input_layernorm.weight", "copy"),
+    ("post_attention_norm", "weight"): Source("post_attention_layernorm.weight", "copy"),
+    ("attn", "q_DH"): Source("self_attn.q_proj.weight", "T"),
+    ("attn", "k_DG"): Source("self_attn.k_proj.weight", "T"),
+    ("attn", "v_DG"): Source("self_attn.v_proj.weight", "T"),
+    ("attn", "o_HD"): Source("self_attn.o_proj.weight", "T"),
+}
+_BIASES = {("attn", f"{n}_bias"): Source(f"self_attn.{n}_proj.bias", "copy") for n in "qkv"}
+_QK_NORM = {("attn", f"{n}_norm", "weight"): Source(f"self_attn.{n}_norm.weight", "copy") for n in "qk"}
+_DENSE = {("mlp", "gate_DF"): Source("mlp.gate_proj.weight", "T"), ("mlp", "up_DF"): Source("mlp.up_proj.weight", "T"),
+          ("mlp", "down_FD"): Source("mlp.down_proj.weight", "T")}
+_ROUTER = {("mlp", "router_DE"): Source("mlp.gate.weight", "T")}
+_PER_EXPERT = {("mlp", f"w_{n}_E{s}"): Source(f"mlp.experts.{{e}}.{n}_proj.weight", "experts")
+               for n, s in (("gate", "DF"), ("up", "DF"), ("down", "FD"))}
+_FUSED = {("mlp", "w_gate_EDF"): Source("mlp.experts.gate_up_proj", "gate"),
+          ("mlp", "w_up_EDF"): Source("mlp.experts.gate_up_proj", "up"),
+          ("mlp", "w_down_EFD"): Source("mlp.experts.down_proj", "down")}
+_SHARED = {("mlp", "shared_gate_DS"): Source("mlp.shared_expert.gate_proj.weight", "T"),
+           ("mlp", "shared_up_DS"): Source("mlp.shared_expert.up_proj.weight", "T"),
+           ("mlp", "shared_down_SD"): Source("mlp.shared_expert.down_proj.weight", "T"),
+           ("mlp", "shared_gate_D1"): Source("mlp.shared_expert_gate.weight", "T")}
+_TOP = {("embed_VD",): Source("model.embed_tokens.weight", "copy"), ("norm", "weight"): Source("model.norm.weight", "copy"),
+        ("lm_head_DV",): Source("lm_head.weight", "T")}
+
+
+def layer_sources(config, layer, fused=False):
+  """{our path inside one DecoderLayer: Source with the full Hugging Face key} for `layer`."""
+  table = dict(_ATTENTION)
+  if config.attention_bias:
+    table.update(_BIASES)
+  if config.qk_norm:
+    table.update(_QK_NORM)
+  if config.is_sparse(layer):
+    table.update(_ROUTER)
+    table.update(_FUSED if fused else _PER_EXPERT)
+    if config.shared_expert_intermediate_size:
+      table.update(_SHARED)
+  else:
+    table.update(_DENSE)
+  return {path: dataclasses.replace(s, key=f"model.layers.{layer}.{s.key}") for path, s in table.items()}
+
+
+def hf_shapes(source, shape, num_experts):
+  """{Hugging Face key: its shape} of `source` for our per-layer array of shape `shape`."""
+  if source.how == "copy":
+    return {source.key: tuple(shape)}
+  if source.how == "T":
+    return {source.key: tuple(shape[::-1])}
+  if source.how == "experts":
+    return {source.key.format(e=e): (shape[2], shape[1]) for e in range(num_experts)}
+  if source.how in ("gate", "up"):
+    return {source.key: (shape[0], 2 * shape[2], shape[1])}
+  return {source.key: (shape[0], shape[2], shape[1])}  # down
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading safetensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  file: pathlib.Path
+  dtype: str
+  shape: tuple
+  begin: int  # absolute byte offset of the tensor's data in `file`
+
+
+class Checkpoint:
+  """The tensors of a directory of safetensors files, by key, read slice by slice (nothing is kept open)."""
+
+  def __init__(self, hf_dir):
+    hf_dir = pathlib.Path(hf_dir)
+    index = hf_dir / INDEX_FILE
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      files = sorted({hf_dir / f for f in weight_map.values()})
+      absent = [str(f) for f in files if not f.exists()]
+      if absent:
+        raise ValueError(f"{index} names file(s) that do not exist: {absent}")
+    else:
+      files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+      raise ValueError(f"{hf_dir}: no *.safetensors files")
+    self.entries = {}
+    for file in files:
+      for key, entry in _read_header(file).items():
+        if key in self.entries:
+          raise ValueError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
+        self.entries[key] = entry
+
+  def where(self, key):
+    return f"{key!r} (in {self.entries[key].file.name})"
+
+  def read(self, key, index):
+    """tensor `key`[index] as a NumPy array; `index` a tuple of step-1 slices, one per axis."""
+    entry = self.entries[key]
+    if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
+      return _read_raw(entry, index)
+    if entry.dtype not in _SAFETENSORS_DTYPES:
+      raise ValueError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
+    with safe_open(entry.file, framework="numpy") as f:
+      return f.get_slice(key)[index]
+
+
+def _read_header(file):
+  with open(file, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+  header.pop("__metadata__", None)
+  return {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
+          for key, h in header.items()}
+
+
+def _read_raw(entry, index):
+  """Reads the rows of index[0] (contiguous bytes), then takes the rest of the index in memory."""
+  dtype = np.dtype(_SAFETENSORS_DTYPES[entry.dtype])
+  if not entry.shape:
+    index = ()
+  rows = index[0] if index else slice(0, 1)
+  row_items = int(np.prod(entry.shape[1:], dtype=np.int64))
+  with open(entry.file, "rb") as f:
+    f.seek(entry.begin + rows.start * row_items * dtype.itemsize)
+    data = f.read((rows.stop - rows.start) * row_items * dtype.itemsize)
+  array = np.frombuffer(data, dtype).reshape((rows.stop - rows.start,) + entry.shape[1:])
+  return array[(slice(None),) + tuple(index[1:])] if entry.shape else array.reshape(())
+
+
+def _normalize(index, shape):
+  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def read_source(checkpoint, source, index, shape):
+  """Our per-layer array of shape `shape`, sliced by `index` (normalized slices), from `checkpoint`."""
+  how = source.how
+  if how == "copy":
+    return checkpoint.read(source.key, index)
+  if how == "T":
+    return checkpoint.read(source.key, index[::-1]).T
+  if how == "experts":
+    e_slice, a, b = index
+    parts = [checkpoint.read(source.key.format(e=e), (b, a)).T for e in range(e_slice.start, e_slice.stop)]
+    return np.stack(parts) if parts else np.zeros((0, a.stop - a.start, b.stop - b.start), np.float32)
+  if how in ("gate", "up"):
+    e, d, f = index
+    offset = 0 if how == "gate" else shape[2]
+    return checkpoint.read(source.key, (e, slice(f.start + offset, f.stop + offset), d)).transpose(0, 2, 1)
+  e, f, d = index  # down
+  return checkpoint.read(source.key, (e, d, f)).transpose(0, 2, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Our parameters and where each comes from
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+  """One of our parameters: per layer (`layers`, empty for top-level ones) the Source of its per-layer array."""
+  sources: tuple  # one Source per layer (stacked) or a single one
+  stacked: bool
+
+
+def _layer_of_path(config, path):
+  """(layers, path inside the layer, stacked) of one of our parameter paths, or (None, path, False) at top level."""
+  if path[0] != "layers":
+    return None, path, False
+  groups = config.layer_groups()
+  first, count = groups[path[1]]
+  if path[2] == qwen3.STACKED:
+    return list(range(first, first + count)), path[3:], True
+  return [first], path[2:], False
+
+
+def param_sources(config, paths, fused_layers=frozenset()):
+  """{our parameter path: _Param} for every path in `paths` (tuples of keys from the model's pure dict)."""
+  out = {}
+  for path in paths:
+    layers, inner, stacked = _layer_of_path(config, path)
+    if layers is None:
+      out[path] = _Param((_TOP[inner],), False)
+      continue
+    sources = tuple(layer_sources(config, layer, layer in fused_layers)[inner] for layer in layers)
+    out[path] = _Param(sources, stacked)
+  return out
+
+
+def _paths(tree):
+  return {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def abstract_state(config, mesh):
+  """(graphdef, abstract state, {path: ShapeDtypeStruct with its sharding}) of the model, nothing allocated."""
+  abstract = nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  return graphdef, state, _paths(nnx.to_pure_dict(state))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Import
+
+
+def _fused_layers(config, checkpoint):
+  return frozenset(layer for layer in range(config.num_hidden_layers)
+                   if f"model.layers.{layer}.mlp.experts.gate_up_proj" in checkpoint.entries)
+
+
+def _check_tensors(config, checkpoint, params, shapes):
+  """Every tensor the model needs is there with its shape, and no other: else a ValueError naming the key."""
+  expected = {}
+  for path, param in params.items():
+    per_layer = shapes[path].shape[1:] if param.stacked else shapes[path].shape
+    for source in param.sources:
+      expected.update(hf_shapes(source, per_layer, config.num_experts))
+  missing = sorted(set(expected) - set(checkpoint.entries))
+  if missing:
+    raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
+                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
+  unexpected = sorted(set(checkpoint.entries) - set(expected))
+  if unexpected:
+    raise ValueError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
+                     f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
+  for key, shape in expected.items():
+    if checkpoint.entries[key].shape != shape:
+      raise ValueError(f"tensor {checkpoint.where(key)} has shape {list(checkpoint.entries[key].shape)}; "
+                       f"the config needs {list(shape)}")
+
+
+def _callback(checkpoint, param, shape, dtype):
+  """make_array_from_callback's callback for one parameter: reads the slice a device asks for, layer by layer.
+  Devices holding the same slice (replicas) share one read."""
+  last = {}
+
+  def read(index):
+    index = _normalize(index, shape)
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in last:
+      last.clear()
+      if param.stacked:
+        per_layer = shape[1:]
+        parts = [read_source(checkpoint, param.sources[layer], index[1:], per_layer).astype(dtype)
+                 for layer in range(index[0].start, index[0].stop)]
+        last[key] = np.stack(parts)
+      else:
+        last[key] = np.ascontiguousarray(read_source(checkpoint, param.sources[0], index, shape).astype(dtype))
+    return last[key]
+
+  return read
+
+
+def load_params(config, mesh, hf_dir):
+  """(graphdef, state) of the model with every parameter read from `hf_dir` straight into its sharding."""
+  checkpoint = Checkpoint(hf_dir)
+  graphdef, state, shapes = abstract_state(config, mesh)
+  params = param_sources(config, shapes, _fused_layers(config, checkpoint))
+  _check_tensors(config, checkpoint, params, shapes)
+  arrays = {}
+  for path, param in params.items():
+    shape = shapes[path]
+    arrays[path] = jax.make_array_from_callback(
+        shape.shape, shape.sharding, _callback(checkpoint, param, shape.shape, np.dtype(shape.dtype)),
+        dtype=shape.dtype)
+  nnx.replace_by_pure_dict(state, _nest(arrays))
+  return graphdef, state
+
+
+def _nest(flat):
+  out = {}
+  for path, value in flat.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def from_hf(hf_dir, *, mesh, **config_overrides) -> qwen3.Qwen3MoE:
+  """The model of a local Hugging Face checkpoint directory, each parameter read straight into its sharding.
+
+  Args:
+    hf_dir: `config.json` and `*.safetensors` (one file, or shards with `model.safetensors.index.json`), experts
+      per expert or fused; float32, float16 or bfloat16 tensors, cast to the config's param_dtype.
+    mesh: the device mesh (axes data, expert, tensor).
+    **config_overrides: `Qwen3MoEConfig` fields over those of `config.json` (see `config_from_hf`).
+
+  Raises:
+    ValueError: a missing or unexpected tensor, or one of the wrong shape (its key and file named); see also
+      `config_from_hf`.
+  """
+  config = config_from_hf(hf_dir, **config_overrides)
+  graphdef, state = load_params(config, mesh, hf_dir)
+  return nnx.merge(graphdef, state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def hf_tensors(source, array):
+  """{Hugging Face key: tensor} of our per-layer `array` (per-expert layout)."""
+  if source.how == "copy":
+    return {source.key: np.ascontiguousarray(array)}
+  if source.how == "T":
+    return {source.key: np.ascontiguousarray(array.T)}
+  if source.how == "experts":
+    return {source.key.format(e=e): np.ascontiguousarray(array[e].T) for e in range(array.shape[0])}
+  raise ValueError(f"export writes the per-expert layout, not {source.how!r}")
+
+
+def _layers_of(param, array):
+  """(Source, host array of one layer) for each layer of one parameter, gathered one layer at a time."""
+  if not param.stacked:
+    yield param.sources[0], np.asarray(jax.device_get(array))
+    return
+  for j, source in enumerate(param.sources):
+    yield source, np.asarray(jax.device_get(array[j]))
+
+
+class _ShardWriter:
+  """Collects tensors into files of at most `max_bytes` (a larger tensor gets a file alone), named at the end."""
+
+  def __init__(self, out_dir, max_bytes):
+    self.out_dir, self.max_bytes = out_dir, max_bytes
+    self.pending, self.pending_bytes, self.parts, self.weight_map, self.total = {}, 0, [], {}, 0
+
+  def add(self, key, tensor):
+    if self.pending and self.pending_bytes + tensor.nbytes > self.max_bytes:
+      self.flush()
+    self.pending[key] = tensor
+    self.pending_bytes += tensor.nbytes
+    self.total += tensor.nbytes
+
+  def flush(self):
+    if not self.pending:
+      return
+    part = self.out_dir / f".part-{len(self.parts)}.safetensors"
+    save_file(self.pending, part, metadata={"format": "pt"})
+    self.parts.append((part, list(self.pending)))
+    self.pending, self.pending_bytes = {}, 0
+
+  def finish(self):
+    self.flush()
+    if len(self.parts) == 1:
+      os.replace(self.parts[0][0], self.out_dir / "model.safetensors")
+      return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(self.parts):05d}.safetensors" for i in range(len(self.parts))]
+    for (part, keys), name in zip(self.parts, names):
+      os.replace(part, self.out_dir / name)
+      self.weight_map.update({k: name for k in keys})
+    index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+    (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES):
+  """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
+
+  `config.json` (qwen3_moe or qwen2_moe, as the config implies: `config_to_hf`) and `model.safetensors`, or
+  several files of at most `max_shard_bytes` each plus `model.safetensors.index.json`, experts per expert, in
+  the param dtype. Parameters are gathered to the host one at a time (stacked ones one layer at a time);
+  process 0 writes.
+
+  Returns:
+    the names of the safetensors files written.
+  """
+  config = model.config
+  hf_config = config_to_hf(config)
+  flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  params = param_sources(config, flat)
+  out_dir = pathlib.Path(out_dir)
+  writer = _ShardWriter(out_dir, max_shard_bytes) if jax.process_index() == 0 else None
+  if writer:
+    out_dir.mkdir(parents=True, exist_ok=True)
+  for path, param in params.items():
+    for source, array in _layers_of(param, flat[path]):
+      for key, tensor in hf_tensors(source, array).items():
+        if writer:
+          writer.add(key, tensor)
+  if not writer:
+    return []
+  (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+  return writer.finish()
