@@ -60,10 +60,17 @@ class OptimConfig:
   grad_clip: float = 1.0
 
 
+INIT_SOURCES = ("hf:", "orbax:")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   model: str = "tiny"  # a name under configs/models/ or a YAML path
   model_overrides: dict = dataclasses.field(default_factory=dict)  # any model-config key
+  # Start from released or converted weights instead of a random init: "hf:DIR" (a Hugging Face directory) or
+  # "orbax:DIR" (`relaymoe-convert hf-to-orbax`'s output). The model config then comes from DIR (`model` is not
+  # read), with model_overrides on top. "": random init.
+  init_from: str = ""
   dispatcher: str = ""  # overrides the model config's MoE dispatcher when set
   # What backward recomputes in every layer (a `models.qwen3.REMAT_POLICIES` name), overriding the model config's;
   # "auto": the cheapest plan that fits the device (`train.plan`), chosen at start and stored in run_config.json.
@@ -98,6 +105,8 @@ class RunConfig:
     if self.remat not in ("", "auto", *REMAT_POLICIES):
       raise ValueError(f"remat={self.remat!r} must be auto or one of {list(REMAT_POLICIES)} (or empty: the "
                        "model config's)")
+    if self.init_from and not self.init_from.startswith(INIT_SOURCES):
+      raise ValueError(f"init_from={self.init_from!r} must start with one of {list(INIT_SOURCES)} (or be empty)")
     if not 0 <= self.memory_headroom < 1:
       raise ValueError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
 

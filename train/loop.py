@@ -20,6 +20,7 @@ import relaymoe_jax as rm
 from models import qwen3
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from train.config import RunConfig
+from train.convert import initial_params, model_config_from
 from train.data import make_source
 from train.preempt import StopRequest, Stopped
 from train.rundir import RunDirectory, keep_metrics_before
@@ -56,13 +57,20 @@ def run_mesh(run_config, devices=None):
   return mesh
 
 
-def model_config_for(run):
+def model_overrides_for(run):
+  """The run's model-config keys: model_overrides, then the run's dispatcher and remat where set."""
   overrides = dict(run.model_overrides)
   if run.dispatcher:
     overrides["dispatcher"] = run.dispatcher
   if run.remat and run.remat != "auto":  # auto is resolved by `run` (train.plan) before the model is built
     overrides["remat"] = run.remat
-  return qwen3.load_config(run.model, **overrides)
+  return overrides
+
+
+def model_config_for(run):
+  if run.init_from:
+    return model_config_from(run.init_from, model_overrides_for(run))
+  return qwen3.load_config(run.model, **model_overrides_for(run))
 
 
 def dispatch_plan(model_config, run_config, mesh):
@@ -118,8 +126,9 @@ class Checkpoints:
   def latest_step(self):
     return self.manager.latest_step()
 
-  def restore(self, like_state):
-    """(state, meta) of the newest checkpoint that restores into `like_state`'s shapes and shardings.
+  def restore(self, like_state, step=None):
+    """(state, meta) of the newest checkpoint that restores into `like_state`'s shapes and shardings (or of
+    checkpoint `step`).
 
     A checkpoint of another layout (layers, sizes, `model.scan_layers`) is an error, read from its metadata before
     any array. A checkpoint whose files do not read (truncated, corrupted) is skipped for the next older one and
@@ -128,6 +137,10 @@ class Checkpoints:
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
       raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
+    if step is not None:
+      if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; there are {sorted(steps)}")
+      steps = [step]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
     _quiet_closed_event_loops()
     unreadable = []
@@ -402,9 +415,11 @@ def _train(run_config, resume, checkpoints, stop):
     step = compile_step(run_config)
   check_fits(run_config, step)  # before anything is allocated
   compiled, graphdef, mesh, compile_s = step.compiled, step.graphdef, step.mesh, step.compile_s
-  _, params = nnx.split(qwen3.create_sharded(model_config, mesh, seed=run_config.seed))
+  if run_config.init_from and not resume:
+    params = initial_params(run_config.init_from, model_overrides_for(run_config), model_config, mesh)
+  else:  # a resumed run's parameters come from its checkpoint
+    params = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=run_config.seed))[1])
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
-  params = nnx.to_pure_dict(params)
   # Eager init: zeros_like keeps each parameter's sharding for its optimizer moments (a jitted init would not).
   state = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
   out = pathlib.Path(run_config.out_dir)

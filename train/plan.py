@@ -17,7 +17,7 @@ import jax
 
 from models import qwen3
 from train.config import RunConfig
-from train.loop import build_mesh, compile_step, memory_plan
+from train.loop import build_mesh, compile_step, memory_plan, model_config_for
 from train.step import layer_forward_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
@@ -119,7 +119,7 @@ class Planner:
   def plan(self, **changes):
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
     fitting, when even that does not fit)."""
-    layers = qwen3.load_config(self.run_config.model, **self.run_config.model_overrides).num_hidden_layers
+    layers = model_config_for(self.run_config).num_hidden_layers
     choices = policies()
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
@@ -160,7 +160,7 @@ class Planner:
   def _recompute_seconds(self, changes):
     """Estimated backward recompute time per layer of each policy on this run (the mean over layers)."""
     run = dataclasses.replace(self.run_config, **changes)
-    c = qwen3.load_config(run.model, **run.model_overrides)
+    c = model_config_for(run)
     mesh = build_mesh(run.mesh, self.devices)
     tokens = run.batch_size * run.seq_len / math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
@@ -199,7 +199,7 @@ class Planner:
       if hi is not None and hi - lo <= step:
         if upgrade:
           return self.plan(**{key: lo}), hi
-        layers = qwen3.load_config(self.run_config.model, **self.run_config.model_overrides).num_hidden_layers
+        layers = model_config_for(self.run_config).num_hidden_layers
         return self._result((frugal,) * layers, self.measure(frugal, **{key: lo}), {key: lo}), hi
       n = self._next_size(sizes, lo, hi, step, granule)
 
@@ -296,7 +296,7 @@ def variant_config(run_config, name):
   all-to-alls keep only the grouped-matmul backend of the run's dispatcher options."""
   if name not in VARIANTS:
     raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
-  model = qwen3.load_config(run_config.model, **run_config.model_overrides)
+  model = model_config_for(run_config)
   dispatcher = run_config.dispatcher or model.dispatcher
   if VARIANTS[name] is None:
     return dataclasses.replace(run_config, dispatcher=dispatcher if dispatcher.startswith(("ring", "auto"))

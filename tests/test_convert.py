@@ -1,0 +1,94 @@
+"""`relaymoe-convert` and the trainer's `init_from`: Hugging Face ↔ orbax ↔ training runs, every tensor bit-exact."""
+
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from models import qwen3
+from train import convert
+from train.config import load_run_config
+from train.config import MeshConfig
+from train.loop import build_mesh, model_config_for, run
+
+# A run that changes nothing: learning rate 0, so its checkpoint holds the parameters it started from.
+FROZEN = ["batch_size=8", "seq_len=16", "steps=1", "checkpoint_every=1", "log_every=1", "tensorboard=false",
+          "compilation_cache_dir=''", "optim.learning_rate=0.0"]
+
+
+def tensors(hf_dir):
+  found = {}
+  for name in sorted(os.listdir(hf_dir)):
+    if name.endswith(".safetensors"):
+      found.update(load_file(os.path.join(hf_dir, name)))
+  return found
+
+
+def assert_same_tensors(a_dir, b_dir):
+  a, b = tensors(a_dir), tensors(b_dir)
+  assert sorted(a) == sorted(b)
+  for key in a:
+    assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+    assert a[key].tobytes() == b[key].tobytes(), key
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """The tiny model with random weights, written as a Hugging Face directory."""
+  path = tmp_path_factory.mktemp("hf")
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  qwen3.to_hf(qwen3.create_sharded(qwen3.load_config("tiny"), mesh, seed=3), path)
+  return path
+
+
+def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
+  convert.main(["hf-to-orbax", str(hf_dir), str(tmp_path / "orbax")])
+  assert "init_from=orbax:" in capsys.readouterr().out
+  assert (tmp_path / "orbax" / "model.yaml").exists() and (tmp_path / "orbax" / "params").is_dir()
+  convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "back"), "mesh.data=2", "mesh.expert=4"])
+  assert_same_tensors(hf_dir, tmp_path / "back")
+
+
+@pytest.mark.parametrize("source", ["hf", "orbax"])
+def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir, tmp_path, source):
+  if source == "orbax":
+    convert.main(["hf-to-orbax", str(hf_dir), str(tmp_path / "orbax"), "mesh.data=2", "mesh.expert=4"])
+  origin = hf_dir if source == "hf" else tmp_path / "orbax"
+  config = load_run_config("cpu", [*FROZEN, f"init_from={source}:{origin}", f"out_dir={tmp_path / 'run'}"])
+  history = run(config)
+  assert np.isfinite(history[-1]["loss"])
+  convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "back")])
+  assert_same_tensors(hf_dir, tmp_path / "back")
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 7 in .*; there are \[1\]"):
+    convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "other"), "--step", "7", "--debug"])
+
+
+def test_init_from_takes_the_model_config_from_the_source_with_overrides(hf_dir):
+  tiny = qwen3.load_config("tiny")
+  config = load_run_config("cpu", [f"init_from=hf:{hf_dir}", "model.remat=layer", "dispatcher=all_to_all"])
+  built = model_config_for(config)
+  assert built.remat == "layer" and built.dispatcher == "all_to_all"
+  for field in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size",
+                "moe_intermediate_size", "head_dim", "num_key_value_heads"):
+    assert getattr(built, field) == getattr(tiny, field), field
+
+
+def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  with pytest.raises(ValueError, match="init_from='gs://bucket' must start with one of"):
+    load_run_config("cpu", ["init_from=gs://bucket"])
+  from train.cli import main  # noqa: PLC0415
+  cases = [
+      (main, ["--config", "cpu", "--out", str(tmp_path / "run"), f"init_from=hf:{tmp_path}"],
+       f"relaymoe-train: error: init_from='hf:{tmp_path}': no config.json in {tmp_path}"),
+      (convert.main, ["orbax-to-hf", str(tmp_path), str(tmp_path / "out")],
+       f"relaymoe-convert: error: {tmp_path} is neither a relaymoe-convert output"),
+      (convert.main, ["hf-to-orbax", str(tmp_path), str(tmp_path / "out"), "steps=3"],
+       "relaymoe-convert: error: ['steps=3']: only model.KEY=VALUE and mesh.AXIS=N"),
+  ]
+  for entry, argv, message in cases:
+    with pytest.raises(SystemExit) as exit_info:
+      entry(argv)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.startswith(message) and stderr.count("\n") == 1, stderr
