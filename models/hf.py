@@ -369,7 +369,9 @@ def _check_tensors(config, checkpoint, params, shapes):
   if missing:
     raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
                      f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
-  unexpected = sorted(set(checkpoint.entries) - set(expected))
+  # A tied model's checkpoint may still hold lm_head.weight (a copy of the embeddings): transformers ignores it too.
+  ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+  unexpected = sorted(set(checkpoint.entries) - set(expected) - ignored)
   if unexpected:
     raise ValueError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
                      f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
@@ -512,19 +514,22 @@ class _ShardWriter:
     return names
 
 
-def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES):
+def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES, dtype=None):
   """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
   `config.json` (qwen3_moe or qwen2_moe, as the config implies: `config_to_hf`) and `model.safetensors`, or
   several files of at most `max_shard_bytes` each plus `model.safetensors.index.json`, experts per expert, in
-  the param dtype. Parameters are gathered to the host one at a time (stacked ones one layer at a time);
-  process 0 writes.
+  `dtype` ("bfloat16", "float16", "float32"; default the param dtype). Parameters are gathered to the host one at
+  a time (stacked ones one layer at a time); process 0 writes.
 
   Returns:
     the names of the safetensors files written.
   """
   config = model.config
-  hf_config = config_to_hf(config)
+  out_dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
+  if out_dtype.name not in ("float32", "float16", "bfloat16"):
+    raise ValueError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
+  hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   params = param_sources(config, flat)
   out_dir = pathlib.Path(out_dir)
@@ -535,7 +540,7 @@ def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES):
     for source, array in _layers_of(param, flat[path]):
       for key, tensor in hf_tensors(source, array).items():
         if writer:
-          writer.add(key, tensor)
+          writer.add(key, tensor.astype(out_dtype, copy=False))
   if not writer:
     return []
   (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -454,7 +454,8 @@ def from_hf(hf_dir, *, mesh, **config_overrides):
   return hf.from_hf(hf_dir, mesh=mesh, **config_overrides)
 
 
-def to_hf(model, out_dir, *, max_shard_bytes=HF_MAX_SHARD_BYTES):
-  """`models.hf.to_hf`: writes the model as a Hugging Face checkpoint, in files of at most max_shard_bytes."""
+def to_hf(model, out_dir, *, max_shard_bytes=HF_MAX_SHARD_BYTES, dtype=None):
+  """`models.hf.to_hf`: writes the model as a Hugging Face checkpoint, in files of at most max_shard_bytes, in
+  `dtype` (default the param dtype)."""
   from models import hf
-  return hf.to_hf(model, out_dir, max_shard_bytes=max_shard_bytes)
+  return hf.to_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)

@@ -155,6 +155,16 @@ def test_bfloat16_checkpoint_loads_and_exports_bit_exactly(tmp_path):
   qwen3.to_hf(as_bf16, tmp_path / "out")
   _assert_same_tensors(tmp_path / "out", source)
   assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  qwen3.to_hf(_loaded("qwen3_moe"), tmp_path / "cast", dtype="bfloat16")  # float32 parameters written as bf16
+  _assert_same_tensors(tmp_path / "cast", source)
+  assert json.loads((tmp_path / "cast" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_tied_checkpoint_holding_a_copy_of_the_head_loads(tmp_path):
+  """Some tied checkpoints still store lm_head.weight (the embeddings again); transformers ignores it, so do we."""
+  with_head = lambda t: dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"]})  # noqa: E731
+  _assert_same_params(_params(qwen3.from_hf(_rewrite("qwen2_moe", tmp_path, with_head), mesh=_mesh(), **F32,
+                                            dispatcher="dense")), _params(_loaded("qwen2_moe")))
 
 
 # --- Export ------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Weights in and out: the trainer's `init_from` sources and `relaymoe-convert`.
 
     relaymoe-convert hf-to-orbax HF_DIR OUT_DIR [model.KEY=VALUE ...] [mesh.AXIS=N ...]
-    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [mesh.AXIS=N ...]
+    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [mesh.AXIS=N ...]
 
 `hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf`, shard by shard into the sharded
 layout) and writes OUT_DIR/model.yaml (the model config) and OUT_DIR/params (an orbax checkpoint of the parameters),
@@ -112,7 +112,7 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   return config
 
 
-def orbax_to_hf(source, hf_dir, mesh, step=None):
+def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
   """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint."""
   from models import qwen3  # noqa: PLC0415
 
@@ -127,7 +127,7 @@ def orbax_to_hf(source, hf_dir, mesh, step=None):
   else:
     raise FileNotFoundError(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
                             "(run_config.json)")
-  qwen3.to_hf(model_from_params(config, mesh, params), hf_dir)
+  qwen3.to_hf(model_from_params(config, mesh, params), hf_dir, dtype=dtype)
   return config
 
 
@@ -180,6 +180,8 @@ def _parse(argv):
   to_hf.add_argument("source", help="a relaymoe-convert output directory or a relaymoe-train --out directory")
   to_hf.add_argument("hf_dir")
   to_hf.add_argument("--step", type=int, help="the run's checkpoint step (default: the newest that reads)")
+  to_hf.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                     help="of the written tensors (default: the parameters', float32 for a training run)")
   for command in (to_orbax, to_hf):
     command.add_argument("overrides", nargs="*", metavar="key=value", help="model.KEY=VALUE, mesh.AXIS=N")
   args, rest = parser.parse_known_args(argv)  # key=value may also follow the options
@@ -213,7 +215,7 @@ def _convert(args):
   if model_overrides:
     raise ValueError("orbax-to-hf takes the model config from its source; model.KEY=VALUE is not taken here")
   experts = _source_experts(pathlib.Path(args.source))
-  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step)
+  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype)
   print(f"wrote {args.hf_dir} (config.json and safetensors, per-expert layout)")
 
 
