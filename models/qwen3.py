@@ -189,11 +189,12 @@ def rope(x_BSNH, positions_BS, theta):
   return (x32 * cos + rotated * sin).astype(x_BSNH.dtype)
 
 
-def attention(q_BSNH, k_BSGH, v_BSGH, scale, implementation):
-  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation)."""
+def attention(q_BSNH, k_BSGH, v_BSGH, scale, implementation, platform):
+  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation);
+  `platform`: that of the devices it runs on, for "auto"."""
   attend = functools.partial(jax.nn.dot_product_attention, q_BSNH, k_BSGH, v_BSGH, scale=scale, is_causal=True)
   if implementation == "auto":
-    if jax.default_backend() != "gpu" or q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
+    if platform != "gpu" or q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
       return attend(implementation="xla")
     try:
       return attend(implementation="cudnn")
@@ -226,6 +227,7 @@ class Attention(_Layer):
     param = functools.partial(_make_param, config, mesh, rngs)
     c = config
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
     self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
         "kv_DG", (d, hkv))
     self.o_HD = param("o_HD", (hq, d))
@@ -251,7 +253,7 @@ class Attention(_Layer):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    out = attention(q, k, v, c.head_dim ** -0.5, c.attention_implementation)
+    out = attention(q, k, v, c.head_dim ** -0.5, c.attention_implementation, self.platform)
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 

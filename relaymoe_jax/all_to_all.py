@@ -88,6 +88,6 @@ class AllToAll:
                                   self.capacity_factor)
     tok = layout.token_spec
     per_device = functools.partial(_a2a_device, layout=layout, num_experts=num_experts, slots=slots,
-                                   backend=resolve_backend(self.backend))
+                                   backend=resolve_backend(self.backend, layout.mesh))
     return layout.shard_map(per_device, in_specs=(tok, tok, tok, *layout.expert_specs), out_specs=tok)(
         x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

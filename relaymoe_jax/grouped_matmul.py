@@ -155,15 +155,19 @@ BACKENDS: dict[str, GroupedMatmul] = {
 }
 
 
-def _hopper():
-  device = jax.devices()[0]
-  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+def _hopper(device):
+  if device.platform != "gpu":
+    return False
+  # A compile-only device (`jax.experimental.topologies`) names its kind but has no compute_capability.
+  capability = str(getattr(device, "compute_capability", ""))
+  return capability.startswith("9") if capability else device.device_kind.startswith(("NVIDIA H100", "NVIDIA H200"))
 
 
-def resolve_backend(name):
-  """'auto' → 'mosaic_gpu' on Hopper GPUs, else 'xla'; any other name is checked and returned."""
+def resolve_backend(name, mesh=None):
+  """'auto' → 'mosaic_gpu' on Hopper GPUs (the mesh's, else this process's), else 'xla'; any other name is checked
+  and returned."""
   if name == "auto":
-    return "mosaic_gpu" if _hopper() else "xla"
+    return "mosaic_gpu" if _hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0]) else "xla"
   if name not in BACKENDS and name != "mosaic_gpu":
     raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'mosaic_gpu', 'auto'])}")
   return name

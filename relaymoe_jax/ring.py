@@ -164,7 +164,7 @@ def _check_ladder(chunk_rows):
 
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True,
                    reverse_backward=False):
-  backend = resolve_backend(backend)
+  backend = resolve_backend(backend, layout.mesh)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   num_experts, d_model, d_ff = w_gate_EDF.shape

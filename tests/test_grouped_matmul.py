@@ -4,6 +4,7 @@ write NaN past the groups, as the Mosaic GPU kernels leave garbage there; on a H
 checked against `lax.ragged_dot` too."""
 
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,15 @@ def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
 
 
 def test_backend_selection():
-  assert gm.resolve_backend("auto") == ("mosaic_gpu" if gm._hopper() else "xla")
+  assert gm.resolve_backend("auto") == ("mosaic_gpu" if gm._hopper(jax.devices()[0]) else "xla")
+
+  class CompileOnlyDevice:  # what `jax.experimental.topologies` gives: a kind, no compute capability
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+  mesh = types.SimpleNamespace(devices=np.array([CompileOnlyDevice()]))
+  assert gm.resolve_backend("auto", mesh) == "mosaic_gpu"  # the mesh's devices decide, not this process's
+  CompileOnlyDevice.device_kind = "NVIDIA A100-SXM4-80GB"
+  assert gm.resolve_backend("auto", mesh) == "xla"
   assert gm.resolve_backend("kernel_reference") == "kernel_reference"
   with pytest.raises(ValueError, match="backend 'cutlass'"):
     gm.resolve_backend("cutlass")

@@ -25,17 +25,20 @@ HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200
 FRUGAL_FIRST = ("offload", "layer", "attention", "none")
 
 
-def offload_supported():
+def offload_supported(devices=None):
   """Offloading helps where the device has a host memory of its own to move activations to: GPUs (pinned host
-  memory). On CPU devices `pinned_host` is the same RAM, so it saves nothing and `layer` is the frugal choice."""
-  device = jax.local_devices()[0]
+  memory). On CPU devices `pinned_host` is the same RAM, so it saves nothing and `layer` is the frugal choice.
+  `devices`: those the step is compiled for (default this process's)."""
+  device = (devices or jax.local_devices())[0]
+  if device.platform != "gpu":
+    return False
   kinds = {m.kind for m in device.addressable_memories()}
-  return jax.default_backend() != "cpu" and "pinned_host" in kinds
+  return not kinds or "pinned_host" in kinds  # a compile-only device lists none; the GPUs it stands for have it
 
 
-def policies():
-  """The choices the planner considers on this platform, cheapest memory first."""
-  return FRUGAL_FIRST if offload_supported() else FRUGAL_FIRST[1:]
+def policies(devices=None):
+  """The choices the planner considers for these devices (default this process's), cheapest memory first."""
+  return FRUGAL_FIRST if offload_supported(devices) else FRUGAL_FIRST[1:]
 
 
 def device_limit_bytes(run_config: RunConfig):
@@ -120,7 +123,7 @@ class Planner:
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
     fitting, when even that does not fit)."""
     layers = model_config_for(self.run_config).num_hidden_layers
-    choices = policies()
+    choices = policies(self.devices)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
       return self._result(("none",) * layers, uniform["none"], changes)
@@ -139,7 +142,7 @@ class Planner:
     """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
     byte while the budget allows. Bytes per layer of a policy: its uniform step's bytes over the frugal one's,
     divided among the layers."""
-    choices = policies()
+    choices = policies(self.devices)
     frugal = choices[0]
     base = uniform[frugal]["total_bytes"]
     extra_bytes = {p: max((uniform[p]["total_bytes"] - base) / layers, 1.0) for p in choices}
@@ -165,7 +168,7 @@ class Planner:
     tokens = run.batch_size * run.seq_len / math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
                                                                     for i in range(c.num_hidden_layers))))
-    peak = _peak_flops(run)
+    peak = _peak_flops(run, self.devices)
     layer_input_bytes = tokens * c.hidden_size * jax.numpy.dtype(c.dtype).itemsize
     recompute_layer = tokens * (attention + mlp) / peak
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
@@ -182,7 +185,7 @@ class Planner:
     plan (without `upgrade`: every layer at the most frugal policy, which saves the compiles of the uniform
     policies; at the limit the slack is below one search step's bytes anyway). Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
     granule, or 1/32 of the size when that is more. Returns (plan or None, the smallest size found not to fit)."""
-    frugal = policies()[0]
+    frugal = policies(self.devices)[0]
     sizes = {}
 
     def fits_at(n):
@@ -231,11 +234,11 @@ def _step_back(remat, choices):
   return tuple(sorted(remat, key=choices.index))
 
 
-def _peak_flops(run):
+def _peak_flops(run, devices=None):
   from train.loop import PEAK_TFLOPS  # noqa: PLC0415
   if run.peak_tflops_per_device:
     return run.peak_tflops_per_device * 1e12
-  kind = jax.devices()[0].device_kind
+  kind = (devices or jax.devices())[0].device_kind
   return 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in kind), 1.0)
 
 
