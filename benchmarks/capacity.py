@@ -3,14 +3,16 @@
     python -m benchmarks.capacity [--config ep8] [--layers 4] [--start-seq 65536] [--granule 4096]
                                   [--topology 1x1x8 --topology-layers 4,48] [--no-confirm]
     python -m benchmarks.capacity --merge A.json B.json --out C.json   # one table from several runs
+    python -m benchmarks.capacity --loss-head-only --topology 1x1x1 --target-config benchmarks/gpu_specs/h200.txtpb
 
 Per dispatcher, `relaymoe-plan --maximize seq` (in parallel processes: compiling is CPU work) finds the longest
 sequence at micro-batch 1 per GPU whose compiled train step fits the device, with that dispatcher's own most
 frugal remat plan (`train.plan`); nothing is allocated. Then, on GPUs, each limit is confirmed by a real training
 step (`relaymoe-train`, one step, no checkpoint) and the first size above it is run with the fit check lifted to
 show that it really does not fit. `--topology 1x1x8` repeats the search compile-only for a host of eight GPUs of
-this machine's kind (JAX's deviceless compilation; nothing runs). A loss-head table compares the compiled
-temporaries of the plain loss (full float32 logits) and the chunked one at 65536 tokens.
+this machine's kind, or of `--target-config`'s on a machine without one (JAX's deviceless compilation, with the
+CUDA plugin installed; nothing runs). A loss-head table compares the compiled temporaries of the plain loss (full
+float32 logits) and the chunked one at 65536 tokens.
 
 Writes JSON, a table whose last line is the summary, and a plot under benchmarks/results/.
 """
@@ -36,7 +38,8 @@ def _env():
           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
-def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None, quiet=False):
+def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None, quiet=False,
+                 target_config=None):
   """One `relaymoe-plan --maximize seq` process per variant, started at once; `collect` waits for them. `quiet`:
   no autotuning, so the processes leave the GPU's memory alone while real steps run beside them."""
   procs = {}
@@ -48,7 +51,8 @@ def start_search(config, layers, variants, work, start_seq, granule, overrides=(
     cmd = [sys.executable, "-c", "from train.cli import plan_main; plan_main()", "--config", config, "--maximize", "seq", "--no-upgrade",
            "--variants", variant, "--granule", str(granule), "--out", out, f"model.num_hidden_layers={layers}",
            f"seq_len={start_seq}", "compilation_cache_dir=''", *overrides,
-           *(["--topology", topology] if topology else [])]
+           *(["--topology", topology] if topology else []),
+           *(["--target-config", target_config] if topology and target_config else [])]
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "log.txt"), "w")
     procs[variant] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
@@ -123,9 +127,10 @@ def confirm(config, layers, results, work, overrides=()):
     print(f"  {variant} at {seq}: {found['above_limit' if lift else 'at_limit']}", flush=True)
 
 
-def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384):
-  """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device: plain (full float32 logits) and
-  chunked. Compile-only."""
+def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384,
+              device=None):
+  """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device (default this machine's first; or a
+  compile-only device of `train.plan.topology_devices`): plain (full float32 logits) and chunked. Compile-only."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -134,7 +139,7 @@ def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_toke
 
   from models.loss import chunked_cross_entropy  # noqa: PLC0415
   axes = ("data", "expert", "tensor")
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), axes)
+  mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1), axes)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
   b = tokens // seq_len
   args = (spec((b, seq_len, d_model), jnp.bfloat16), spec((d_model, vocab), jnp.float32), spec((b, seq_len), jnp.int32))
@@ -164,9 +169,10 @@ def machine():
 
 
 def render(data):
-  lines = [f"# {data['command']}", f"# {json.dumps(data['machine'])}", "",
-           "| setting | variant | longest seq | plan | step GiB (compiled) | budget GiB | first not fitting | "
-           "real step at the limit | real step above it |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = [f"# {data['command']}", f"# {json.dumps(data['machine'])}", ""]
+  if data["settings"]:
+    lines += ["| setting | variant | longest seq | plan | step GiB (compiled) | budget GiB | first not fitting | "
+              "real step at the limit | real step above it |", "|---|---|---|---|---|---|---|---|---|"]
   for setting in data["settings"]:
     for variant, r in setting["variants"].items():
       name = setting["name"]
@@ -179,12 +185,14 @@ def render(data):
                    f"{_step(r.get('above_limit'))} |")
   head = data.get("loss_head")
   if head:
-    lines += ["", f"Loss head fwd+bwd at {head['tokens']} tokens (D {head['d_model']}, vocab {head['vocab']}), "
+    lines += ["", f"Loss head fwd+bwd at {head['tokens']} tokens (D {head['d_model']}, vocab {head['vocab']}"
+              f"{', ' + head['device_kind'] if head.get('device_kind') else ''}), "
               f"compiled temporaries: plain {head['plain_temp_gib']:.1f} GiB (full float32 logits "
               f"{head['full_logits_gib']:.1f} GiB), chunked ({head['chunk_tokens']} tokens × "
               f"{head.get('vocab_tile', head['vocab'])} columns) "
-              f"{head['chunked_temp_gib']:.2f} GiB."]
-  lines.append(summary(data))
+              f"{head['chunked_temp_gib']:.2f} GiB{'; ' + head['how'] if head.get('how') else ''}."]
+  if data["settings"]:
+    lines.append(summary(data))
   return "\n".join(lines)
 
 
@@ -256,6 +264,8 @@ def main(argv=None):
   parser.add_argument("--granule", type=int, default=4096)
   parser.add_argument("--topology", help="also search compile-only for this GPU host, e.g. 1x1x8")
   parser.add_argument("--topology-layers", default="4,48")
+  parser.add_argument("--target-config", help="with --topology: a GpuTargetConfigProto text file, for compiling on a "
+                      "machine without the GPU (default: this machine's GPU)")
   parser.add_argument("--no-local", action="store_true", help="skip the search on this machine's devices")
   parser.add_argument("--no-confirm", action="store_true", help="do not run real steps (CPU: never)")
   parser.add_argument("--confirm-from", help="also run the real steps for the limits of this earlier result's "
@@ -263,6 +273,8 @@ def main(argv=None):
   parser.add_argument("--confirm-setting", help="the name of that setting")
   parser.add_argument("--ring-chunk-rows", type=int, help="the expert ring's chunk_rows (R) in every run")
   parser.add_argument("--no-loss-head", action="store_true")
+  parser.add_argument("--loss-head-only", action="store_true", help="only the loss-head table (with --topology and no "
+                      "GPU here: compiled for the topology's GPU)")
   parser.add_argument("--work", default="/tmp/relaymoe_capacity")
   parser.add_argument("--merge", nargs="+")
   parser.add_argument("--out", default=os.path.join(RESULTS, "capacity.json"))
@@ -274,6 +286,9 @@ def main(argv=None):
   variants = args.variants.split(",")
   data = dict(command="python -m benchmarks.capacity " + " ".join(sys.argv[1:] if argv is None else argv),
               machine=machine(), settings=[])
+  if args.loss_head_only:
+    data["loss_head"] = _loss_head(args)
+    return write(data, args.out)
   searches = []  # (setting, processes): every search runs at once
   overrides = list(args.overrides)
   if args.ring_chunk_rows:  # the all-to-all variants keep only the backend of these options
@@ -287,7 +302,8 @@ def main(argv=None):
     setting = dict(name=f"{args.topology} compile-only {layers} layers{suffix}", layers=layers,
                    topology=args.topology)
     searches.append((setting, start_search(args.config, layers, variants, args.work, args.start_seq, args.granule,
-                                           overrides, args.topology, quiet=bool(args.confirm_from))))
+                                           overrides, args.topology, quiet=bool(args.confirm_from),
+                                           target_config=args.target_config)))
   if args.confirm_from:
     with open(args.confirm_from) as fh:
       earlier = next(s for s in json.load(fh)["settings"] if s["name"] == args.confirm_setting)
@@ -305,8 +321,22 @@ def main(argv=None):
     data["settings"].append(setting)
     write(data, args.out)
   if not args.no_loss_head:
-    data["loss_head"] = loss_head()
+    data["loss_head"] = _loss_head(args)
   write(data, args.out)
+
+
+def _loss_head(args):
+  """loss_head on this machine's GPU, else (with --topology) compiled for one GPU of the topology's kind."""
+  import jax  # noqa: PLC0415
+
+  from train.plan import topology_devices  # noqa: PLC0415
+  if not args.topology or jax.default_backend() == "gpu":
+    return dict(loss_head(), device_kind=jax.devices()[0].device_kind)
+  device = topology_devices("1x1x1", args.target_config)[0]
+  env = " ".join(f"{k}={os.environ[k]}" for k in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "XLA_FLAGS")
+                 if k in os.environ)
+  return dict(loss_head(device=device), device_kind=device.device_kind,
+              how=f"compiled for one without it (--target-config {args.target_config}; {env}), JAX {jax.__version__}")
 
 
 if __name__ == "__main__":

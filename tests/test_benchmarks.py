@@ -240,3 +240,14 @@ def test_capacity_merge_keeps_the_latest_setting_of_each_name(tmp_path):
   assert merged["merged_from"] == ["run 1024", "run 4096", "run 2048"]
   assert (tmp_path / "merged.txt").read_text().splitlines()[-1].startswith("summary: capacity model=qwen3_30b gpus=1 "
                                                                            "ring_max_seq=4096 a2a_max_seq=2048")
+
+
+def test_capacity_loss_head_only_compares_plain_and_chunked(tmp_path):
+  """Compile-only, this machine's first device: the chunked head needs a small fraction of the plain one's
+  temporaries (the full float32 logits of 65536 tokens over Qwen3's vocabulary alone are 37 GiB)."""
+  from benchmarks import capacity  # noqa: PLC0415
+  capacity.main(["--loss-head-only", "--out", str(tmp_path / "head.json")])
+  head = json.loads((tmp_path / "head.json").read_text())["loss_head"]
+  assert head["plain_temp_gib"] >= head["full_logits_gib"] > 37 and head["chunked_temp_gib"] < 3, head
+  text = (tmp_path / "head.txt").read_text()
+  assert "Loss head fwd+bwd at 65536 tokens" in text and "summary:" not in text
