@@ -19,7 +19,16 @@ import os
 import pathlib
 import sys
 
+import jax
+import orbax.checkpoint as ocp
 import yaml
+from flax import nnx
+
+from models import qwen3
+from models.config import from_mapping, override, parse_assignment
+from train.cli import _run_cli
+from train.config import MeshConfig, RunConfig
+from train.step import make_optimizer
 
 MODEL_YAML = "model.yaml"
 PARAMS = "params"
@@ -27,8 +36,6 @@ PARAMS = "params"
 
 def model_config_from(init_from, overrides):
   """The model config of an `init_from` source ("hf:DIR" or "orbax:DIR") with `overrides` on top."""
-  from models import qwen3  # noqa: PLC0415
-
   kind, path = _source(init_from)
   if kind == "hf":
     return qwen3.config_from_hf(path, **overrides)
@@ -37,10 +44,6 @@ def model_config_from(init_from, overrides):
 
 def initial_params(init_from, overrides, model_config, mesh):
   """The parameters (a pure dict, each array with the model's sharding) of an `init_from` source."""
-  from flax import nnx  # noqa: PLC0415
-
-  from models import qwen3  # noqa: PLC0415
-
   kind, path = _source(init_from)
   if kind == "hf":
     return nnx.to_pure_dict(nnx.split(qwen3.from_hf(path, mesh=mesh, **overrides))[1])
@@ -58,18 +61,10 @@ def _source(init_from):
 
 def abstract_params(model_config, mesh):
   """(graphdef, the parameters as an nnx.State of ShapeDtypeStructs with their shardings): nothing is allocated."""
-  from flax import nnx  # noqa: PLC0415
-
-  from models import qwen3  # noqa: PLC0415
-
   return nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(model_config, mesh=mesh, rngs=nnx.Rngs(0))))
 
 
 def _restore_params(path, model_config, mesh):
-  import jax  # noqa: PLC0415
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
   _, state = abstract_params(model_config, mesh)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding),
                           nnx.to_pure_dict(state))
@@ -79,8 +74,6 @@ def _restore_params(path, model_config, mesh):
 
 def model_from_params(model_config, mesh, params):
   """The model with `params` (a pure dict) as its parameters."""
-  from flax import nnx  # noqa: PLC0415
-
   graphdef, state = abstract_params(model_config, mesh)
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
@@ -95,12 +88,10 @@ def write_model_yaml(model_config, path):
 
 def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   """OUT_DIR/model.yaml and OUT_DIR/params from a Hugging Face directory."""
-  import jax  # noqa: PLC0415
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-
+  _check_hf_dir(hf_dir)
   out_dir = pathlib.Path(out_dir).absolute()
   if (out_dir / PARAMS).exists():
-    raise FileExistsError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
+    raise ValueError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
   init_from = f"hf:{hf_dir}"
   config = model_config_from(init_from, overrides)
   params = initial_params(init_from, overrides, config, mesh)
@@ -112,10 +103,13 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   return config
 
 
+def _check_hf_dir(hf_dir):
+  if not (pathlib.Path(hf_dir) / "config.json").exists():
+    raise FileNotFoundError(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
+
+
 def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
   """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint."""
-  from models import qwen3  # noqa: PLC0415
-
   source = pathlib.Path(source).absolute()
   if (source / MODEL_YAML).exists():
     if step is not None:
@@ -133,11 +127,7 @@ def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
 
 def _run_params(run_dir, mesh, step):
   """(model config, parameters) of a training run's newest checkpoint that reads (or `step`)."""
-  from models.config import from_mapping  # noqa: PLC0415
-  from models import qwen3  # noqa: PLC0415
-  from train.config import RunConfig  # noqa: PLC0415
   from train.loop import Checkpoints, abstract_train_state  # noqa: PLC0415
-  from train.step import make_optimizer  # noqa: PLC0415
 
   stored = json.loads((run_dir / "run_config.json").read_text())
   run = from_mapping(RunConfig, stored["run"], f"{run_dir}/run_config.json")
@@ -152,10 +142,6 @@ def _run_params(run_dir, mesh, step):
 
 
 def _mesh(assignments, num_experts):
-  import jax  # noqa: PLC0415
-
-  from models.config import override  # noqa: PLC0415
-  from train.config import MeshConfig  # noqa: PLC0415
   from train.loop import build_mesh  # noqa: PLC0415
 
   mesh = build_mesh(override(MeshConfig(), [a[len("mesh."):] for a in assignments]))
@@ -193,20 +179,17 @@ def _parse(argv):
 
 
 def main(argv=None):
-  from train.cli import _run_cli  # noqa: PLC0415
-
   _run_cli("relaymoe-convert", _parse(sys.argv[1:] if argv is None else argv), _convert)
 
 
 def _convert(args):
-  from models.config import parse_assignment  # noqa: PLC0415
-
   unknown = [a for a in args.overrides if not a.startswith(("model.", "mesh."))]
   if unknown:
     raise ValueError(f"{unknown}: only model.KEY=VALUE and mesh.AXIS=N are taken here")
   model_overrides = dict(parse_assignment(a[len("model."):]) for a in args.overrides if a.startswith("model."))
   mesh_assignments = [a for a in args.overrides if a.startswith("mesh.")]
   if args.command == "hf-to-orbax":
+    _check_hf_dir(args.hf_dir)
     experts = model_config_from(f"hf:{args.hf_dir}", model_overrides).num_experts
     config = hf_to_orbax(args.hf_dir, args.out_dir, model_overrides, _mesh(mesh_assignments, experts))
     print(f"wrote {args.out_dir}/{MODEL_YAML} and {args.out_dir}/{PARAMS} ({config.num_hidden_layers} layers); "
