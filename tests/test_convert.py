@@ -5,33 +5,16 @@ import pathlib
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from models import qwen3
 from train import convert
-from train.config import load_run_config
-from train.config import MeshConfig
+from train.config import MeshConfig, load_run_config
 from train.loop import build_mesh, model_config_for, run
+from test_hf import assert_same_tensors
 
 # A run that changes nothing: learning rate 0, so its checkpoint holds the parameters it started from.
 FROZEN = ["batch_size=8", "seq_len=16", "steps=1", "checkpoint_every=1", "log_every=1", "tensorboard=false",
           "compilation_cache_dir=''", "optim.learning_rate=0.0"]
-
-
-def tensors(hf_dir):
-  found = {}
-  for name in sorted(os.listdir(hf_dir)):
-    if name.endswith(".safetensors"):
-      found.update(load_file(os.path.join(hf_dir, name)))
-  return found
-
-
-def assert_same_tensors(a_dir, b_dir):
-  a, b = tensors(a_dir), tensors(b_dir)
-  assert sorted(a) == sorted(b)
-  for key in a:
-    assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-    assert a[key].tobytes() == b[key].tobytes(), key
 
 
 @pytest.fixture(scope="module")

@@ -153,10 +153,10 @@ def test_bfloat16_checkpoint_loads_and_exports_bit_exactly(tmp_path):
   _assert_same_params(_params(as_f32), expected)
   as_bf16 = qwen3.from_hf(source, mesh=_mesh(), param_dtype="bfloat16")
   qwen3.to_hf(as_bf16, tmp_path / "out")
-  _assert_same_tensors(tmp_path / "out", source)
+  assert_same_tensors(tmp_path / "out", source)
   assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
   qwen3.to_hf(_loaded("qwen3_moe"), tmp_path / "cast", dtype="bfloat16")  # float32 parameters written as bf16
-  _assert_same_tensors(tmp_path / "cast", source)
+  assert_same_tensors(tmp_path / "cast", source)
   assert json.loads((tmp_path / "cast" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -170,7 +170,8 @@ def test_a_tied_checkpoint_holding_a_copy_of_the_head_loads(tmp_path):
 # --- Export ------------------------------------------------------------------------------------------------------
 
 
-def _assert_same_tensors(actual_dir, expected_dir):
+def assert_same_tensors(actual_dir, expected_dir):
+  """Two Hugging Face directories hold the same tensors: keys, dtypes, shapes and bytes."""
   actual, expected = _tensors(actual_dir), _tensors(expected_dir)
   assert sorted(actual) == sorted(expected)
   for key in expected:
@@ -182,7 +183,7 @@ def _assert_same_tensors(actual_dir, expected_dir):
 def test_export_reproduces_every_tensor_bit_exactly(family, max_shard_bytes, tmp_path):
   kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
   files = qwen3.to_hf(_loaded(family), tmp_path, **kwargs)
-  _assert_same_tensors(tmp_path, FIXTURES / family)
+  assert_same_tensors(tmp_path, FIXTURES / family)
   assert qwen3.config_from_hf(tmp_path) == qwen3.config_from_hf(FIXTURES / family)
   if max_shard_bytes:
     assert len(files) > 2 and all((tmp_path / f).stat().st_size <= max_shard_bytes + 10_000 for f in files)
