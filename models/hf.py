@@ -344,8 +344,7 @@ def _paths(tree):
 
 def abstract_state(config, mesh):
   """(graphdef, abstract state, {path: ShapeDtypeStruct with its sharding}) of the model, nothing allocated."""
-  abstract = nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = qwen3.abstract(config, mesh)
   return graphdef, state, _paths(nnx.to_pure_dict(state))
 
 

@@ -435,6 +435,11 @@ class Qwen3MoE(_Layer):
                "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
 
 
+def abstract(config, mesh, seed=0):
+  """(graphdef, state) of the model with every parameter a ShapeDtypeStruct carrying its sharding: nothing is made."""
+  return nnx.split(nnx.eval_shape(lambda: Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(seed))))
+
+
 def create_sharded(config, mesh, seed=0):
   """Builds the model inside jit so each parameter is created directly with its sharding (no host copy)."""
 

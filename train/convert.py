@@ -59,22 +59,15 @@ def _source(init_from):
   return kind, path
 
 
-def abstract_params(model_config, mesh):
-  """(graphdef, the parameters as an nnx.State of ShapeDtypeStructs with their shardings): nothing is allocated."""
-  return nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(model_config, mesh=mesh, rngs=nnx.Rngs(0))))
-
-
 def _restore_params(path, model_config, mesh):
-  _, state = abstract_params(model_config, mesh)
-  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding),
-                          nnx.to_pure_dict(state))
+  abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh)[1])
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(path.absolute(), abstract)
 
 
 def model_from_params(model_config, mesh, params):
   """The model with `params` (a pure dict) as its parameters."""
-  graphdef, state = abstract_params(model_config, mesh)
+  graphdef, state = qwen3.abstract(model_config, mesh)
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 

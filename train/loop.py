@@ -308,7 +308,7 @@ def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings,
 def abstract_train_state(model_config, mesh, optimizer, seed=0):
   """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
   allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(model_config, mesh=mesh, rngs=nnx.Rngs(seed))))
+  graphdef, state = qwen3.abstract(model_config, mesh, seed)
   params = nnx.to_pure_dict(state)
   param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
   replicated = NamedSharding(mesh, P())
