@@ -121,8 +121,7 @@ def _forward(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis):
     def add_tile(v_start, v_size, acc):
       max_bc, sum_bc, label_bc = acc
       logits_bcV = _local_logits(x_bcD, _tile(head_DVl, v_start, v_size))
-      # The max is a constant of the softmax: stop its gradient so pmax needs no transpose.
-      new_max_bc = jnp.maximum(max_bc, jax.lax.stop_gradient(jnp.max(logits_bcV, -1)))
+      new_max_bc = jnp.maximum(max_bc, jnp.max(logits_bcV, -1))  # never differentiated: _bwd is the gradient
       sum_bc = sum_bc * jnp.exp(max_bc - new_max_bc) + jnp.sum(jnp.exp(logits_bcV - new_max_bc[..., None]), -1)
       label_bc = label_bc + jnp.sum(jnp.where(_is_label(labels_bc, v_start, v_size), logits_bcV, 0.0), -1)
       return new_max_bc, sum_bc, label_bc
