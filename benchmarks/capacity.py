@@ -215,13 +215,15 @@ def summary(data):
 
 
 def plot(data, path):
+  settings = data["settings"]
   try:
     import matplotlib  # noqa: PLC0415
   except ImportError:
     return
+  if not settings:  # a loss-head-only run
+    return
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
-  settings = data["settings"]
   fig, ax = plt.subplots(figsize=(8, 4))
   width = 0.8 / len(VARIANTS)
   for i, variant in enumerate(VARIANTS):
