@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
 from train.data import SyntheticLanguage, make_source
 from train.loop import (Checkpoints, abstract_train_state, build_mesh, global_batch, memory_plan, model_config_for,
                         on_mesh, run)
+from train import loop as train_loop
 from train.step import TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +95,36 @@ def test_loss_falls_toward_the_entropy_floor(tmp_path):
   assert history[-1]["peak_memory_bytes"] > 0 and history[-1]["tokens_per_s"] > 0
   logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in logged] == [9, 19, 29, 39, 49]
+
+
+def test_throughput_is_timed_to_each_logged_steps_end(tmp_path, monkeypatch):
+  """A step whose dispatch returns only as it finishes (as on GPU, where a step's data-dependent loops are driven
+  from the host): each logged window is timed from the end of the last logged step to the end of its own, not
+  shifted by a step (which read 3 and 1 step times here)."""
+  seconds = 0.3
+  compile_step = train_loop.compile_step
+
+  class SlowDispatch:
+    def __init__(self, compiled):
+      self.compiled = compiled
+
+    def __call__(self, *args):
+      out = jax.block_until_ready(self.compiled(*args))
+      time.sleep(seconds)
+      return out
+
+    def __getattr__(self, name):
+      return getattr(self.compiled, name)
+
+  def slow_dispatch(run_config, devices=None):
+    step = compile_step(run_config, devices)
+    return step._replace(compiled=SlowDispatch(step.compiled))
+
+  monkeypatch.setattr(train_loop, "compile_step", slow_dispatch)
+  config = tiny_run(tmp_path, steps=4, log_every=2, checkpoint_every=0, batch_size=8, seq_len=16)
+  for record in run(config):
+    window_s = 2 * 8 * 16 / record["tokens_per_s"]
+    assert 2 * seconds <= window_s < 2 * seconds + 0.25, (record["step"], window_s)
 
 
 def test_resume_continues_exactly(tmp_path):

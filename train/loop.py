@@ -476,9 +476,14 @@ def _train(run_config, resume, checkpoints, stop):
       log.advance()
       signum = stop.requested()
       every = run_config.checkpoint_every
-      if signum or (every and ((step + 1) % every == 0 or step + 1 == run_config.steps)):
-        settle(*pending)  # never save a state whose loss was not finite
+      saving = signum or (every and ((step + 1) % every == 0 or step + 1 == run_config.steps))
+      # A logged step is read as soon as it is done, so its window ends there: read one step late, it would end
+      # when the next step's dispatch returns, which is late and varies (a step with data-dependent loops is
+      # dispatched only as its loops finish on the device).
+      if saving or (step + 1) % run_config.log_every == 0:
+        settle(*pending)  # and never save a state whose loss was not finite
         pending = None
+      if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
       if signum:
         raise Stopped(signum, step + 1, checkpoints.directory)
