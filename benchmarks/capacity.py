@@ -79,7 +79,8 @@ def collect(procs):
 def train_command(config, layers, found, seq_len, work, lift_fit_check, overrides=()):
   """relaymoe-train for one step at seq_len with the variant's plan (the fit check lifted if asked)."""
   plan = found["plan"]
-  options = json.dumps(found.get("options", {}))
+  cap = {"max_chunk_rows": plan["max_chunk_rows"]} if plan.get("max_chunk_rows") else {}
+  options = json.dumps({**found.get("options", {}), **cap})
   remat = "[" + ",".join(plan["remat"]) + "]"
   out = os.path.join(work, f"train_{found['dispatcher']}_{options.count('capacity')}_{seq_len}")
   cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", "1", "--out", out,
@@ -95,12 +96,17 @@ def train_once(config, layers, found, seq_len, work, lift_fit_check, overrides=(
   cmd = train_command(config, layers, found, seq_len, work, lift_fit_check, overrides)
   out = cmd[cmd.index("--out") + 1]
   start = time.perf_counter()
+  # As a user's run: the allocator takes its share up front, one region, so a step's temporaries (one block) are not
+  # refused for lack of a contiguous range while enough memory is free in regions grown earlier (init, loading).
+  env = {**_env(), "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
   try:
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
   except subprocess.TimeoutExpired:
     return dict(ran=False, peak_gib=None, seconds=STEP_TIMEOUT_S, message=f"no result in {STEP_TIMEOUT_S} s")
   seconds = time.perf_counter() - start
   lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+  with open(out + ".log", "w") as fh:
+    fh.write("\n".join(lines) + "\n")
   metrics = os.path.join(out, "metrics.jsonl")
   peak = None
   if proc.returncode == 0 and os.path.exists(metrics):
