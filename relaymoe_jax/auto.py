@@ -22,14 +22,15 @@ class Auto:
   """Runs `RingExpert` or `RingToken`, whichever `plan_dispatch` says moves fewer bytes per hop.
 
   Attributes:
-    chunk_rows: passed to the chosen ring.
+    chunk_rows, max_chunk_rows: passed to the chosen ring.
     backend: grouped-matmul backend name.
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
+  max_chunk_rows: int | None = None
   backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     ring = RingExpert if plan_for(layout, x_TD, idx_TK, w_gate_EDF).mode == EXPERT_MODE else RingToken
-    return ring(chunk_rows=self.chunk_rows, backend=self.backend)(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
-                                                                  w_down_EFD, layout=layout)
+    ring = ring(chunk_rows=self.chunk_rows, max_chunk_rows=self.max_chunk_rows, backend=self.backend)
+    return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)

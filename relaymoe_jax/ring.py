@@ -162,16 +162,29 @@ def _check_ladder(chunk_rows):
   return chunk_ladder(ladder[0]) if isinstance(chunk_rows, int) else ladder
 
 
+def _check_row_cap(chunk_rows, row_cap):
+  if row_cap is None:
+    return
+  if not isinstance(row_cap, int) or isinstance(row_cap, bool) or row_cap < ROW_ALIGN:
+    raise ValueError(f"max_chunk_rows={row_cap!r} must be an int of at least {ROW_ALIGN}")
+  if chunk_rows is not None:
+    raise ValueError(f"chunk_rows={chunk_rows!r} and max_chunk_rows={row_cap!r}: give one (chunk_rows fixes the "
+                     "sizes, max_chunk_rows caps the default ones)")
+
+
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True,
-                   reverse_backward=False):
+                   reverse_backward=False, row_cap=None):
+  """`row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's largest chunk at most this many rows."""
+  _check_row_cap(chunk_rows, row_cap)
   backend = resolve_backend(backend, layout.mesh)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   num_experts, d_model, d_ff = w_gate_EDF.shape
   # The widest grouped matmul of a hop is gate and up fused: 2F (per tensor-parallel slice) columns.
-  row_cap = max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, 2 * d_ff // layout.tensor_size))
+  caps = [c for c in (row_cap, max_chunk_rows(backend, num_experts // layout.ring_size,
+                                               max(d_model, 2 * d_ff // layout.tensor_size))) if c]
   ladder = (_check_ladder(chunk_rows) if chunk_rows is not None
-            else default_chunk_rows(tokens_per_device, top_k, layout.ring_size, row_cap))
+            else default_chunk_rows(tokens_per_device, top_k, layout.ring_size, min(caps, default=None)))
   if not recompute:
     ladder = ladder[:1]
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])

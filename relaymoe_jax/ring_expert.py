@@ -83,6 +83,9 @@ class RingExpert:
       descending tuple, the sizes a hop's pairs are walked in (see `hop.for_each_chunk`). Default: from 31/32 of the
       balanced share ceil(T·K/N) (capped for backends without a grouped kernel, see
       `grouped_matmul.max_chunk_rows`): one chunk and a small tail per hop when routing is balanced.
+    max_chunk_rows: a cap on the default's largest chunk. A chunk's buffers grow with its rows, and by default
+      a hop's share is one chunk, so they grow with the sequence; capped they do not (`train.plan` caps them when
+      memory is short, at some cost in speed). Not with `chunk_rows`.
     backend: grouped-matmul backend: "auto" (Mosaic GPU kernels on Hopper, else "xla"), "xla", "mosaic_gpu",
       "kernel_reference" (see `grouped_matmul`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
@@ -99,6 +102,7 @@ class RingExpert:
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
+  max_chunk_rows: int | None = None
   backend: str = "auto"
   recompute: bool = True
   reverse_backward: bool | None = None
@@ -113,7 +117,7 @@ class RingExpert:
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     reverse = self.reverses_backward(layout.ring_size)
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
-                          recompute=self.recompute, reverse_backward=reverse)
+                          recompute=self.recompute, reverse_backward=reverse, row_cap=self.max_chunk_rows)
     kept_specs = (layout.expert_specs[0], layout.expert_specs[2]) if reverse else ()
     ring = ring_vjp(spec, _forward_device, _backward_device, kept_specs)
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

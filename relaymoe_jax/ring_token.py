@@ -83,14 +83,16 @@ class RingToken:
   """Token-routing ring dispatcher: preferable when expert weights are large next to a device's tokens.
 
   Attributes:
-    chunk_rows: chunk sizes of a hop, as for `RingExpert`.
+    chunk_rows, max_chunk_rows: chunk sizes of a hop, as for `RingExpert`.
     backend: grouped-matmul backend name.
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
+  max_chunk_rows: int | None = None
   backend: str = "auto"
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
-    spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend)
+    spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
+                          row_cap=self.max_chunk_rows)
     ring = ring_vjp(spec, _forward_device, _backward_device)
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -18,6 +18,7 @@ import pytest
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
+from relaymoe_jax.ring import make_ring_spec
 
 F32_RTOL = 1e-5
 BF16_RTOL = 3e-2
@@ -72,6 +73,22 @@ def test_bfloat16_weight_gradients_summed_over_many_chunks_match_oracle():
   at 512 tokens, 1e-2 against 5e-3)."""
   layer = random_layer(9, TOKENS, D_MODEL, D_FF, 16, 4, skew=True, dtype=jnp.bfloat16)
   assert_matches_oracle(layer, mesh_of((2,), E_ONLY), BF16_RTOL, "ring_expert", chunk_rows=16)
+
+
+@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
+def test_chunks_capped_by_max_chunk_rows_match_oracle(dispatcher):
+  """`max_chunk_rows` caps the default ladder (what `train.plan` does when memory is short): a skewed hop of up to
+  512 rows walks 128-row chunks instead of one chunk of its share."""
+  layer = random_layer(11, 512, D_MODEL, D_FF, 8, 2, skew=True)
+  mesh = mesh_of((2,), E_ONLY)
+  layout = rm.ExpertLayout(mesh)
+  spec = make_ring_spec(layout, layer["x_TD"], layer["idx_TK"], layer["w_gate_EDF"], chunk_rows=None,
+                        backend="xla", row_cap=128)
+  assert spec.chunk_rows == (128,), spec.chunk_rows
+  uncapped = make_ring_spec(layout, layer["x_TD"], layer["idx_TK"], layer["w_gate_EDF"], chunk_rows=None,
+                            backend="xla")
+  assert uncapped.chunk_rows[0] > 128, uncapped.chunk_rows
+  assert_matches_oracle(layer, mesh, F32_RTOL, dispatcher, max_chunk_rows=128)
 
 
 def test_ring_without_recompute_matches_oracle():

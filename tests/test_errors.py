@@ -41,6 +41,10 @@ BAD = [
     ("bad backend", {}, dict(dispatcher="ring_expert", backend="cutlass"), "backend 'cutlass'"),
     ("zero chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=0), "chunk_rows=0"),
     ("ascending ladder", {}, dict(dispatcher="ring_token", chunk_rows=(4, 16)), "descending tuple"),
+    ("small row cap", {}, dict(dispatcher="ring_expert", max_chunk_rows=64), "max_chunk_rows=64 must be an int of "
+                                                                          "at least 128"),
+    ("fixed and capped chunks", {}, dict(dispatcher="auto", chunk_rows=256, max_chunk_rows=256),
+     "chunk_rows=256 and max_chunk_rows=256: give one"),
 ]
 
 
