@@ -50,8 +50,8 @@ def uniform():
   return {policy: planner.measure(policy)["total_bytes"] for policy in ("none", "attention", "layer")}
 
 
-def planner_with(budget):
-  return planning.Planner(BASE, int(budget), log=lambda *_: None)
+def planner_with(budget, run_config=BASE):
+  return planning.Planner(run_config, int(budget), log=lambda *_: None)
 
 
 def between(uniform, fraction):
@@ -135,6 +135,36 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
   assert exit_info.value.code == 2
   assert stderr.startswith("relaymoe-train: error: the train step needs ") and stderr.count("\n") == 1, stderr
   assert "With remat=auto it fits" in stderr
+
+
+def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_path, monkeypatch, capsys):
+  """A run whose MoE chunks dominate (top-8 of 8 experts, 512 positions: a hop's share is 1024 rows): the frugal
+  plan does not fit, the same plan with chunks capped (at 128 rows here) does, and `remat: auto` trains with it."""
+  monkeypatch.setattr(planning, "FRUGAL_CHUNK_ROWS", 128)
+  moe_heavy = load_run_config("cpu", [*OVERRIDES, "seq_len=512", "model.num_experts_per_tok=8",
+                                      "model.moe_intermediate_size=512"])
+  probe = planning.Planner(moe_heavy, 1 << 50, log=lambda *_: None)
+  uncapped = probe.measure("layer")["total_bytes"]
+  probe.cap = True
+  capped = probe.measure("layer")["total_bytes"]
+  assert capped < uncapped, (capped, uncapped)
+  budget = (capped + uncapped) / 2
+  plan = planner_with(budget, moe_heavy).plan()
+  assert plan.fits and plan.total_bytes <= budget and plan.max_chunk_rows == 128, plan
+  assert plan.summary().endswith("ring chunks ≤ 128 rows")
+  config = dataclasses.replace(moe_heavy, remat="auto", device_memory_gib=memory_gib(budget), out_dir=str(tmp_path))
+  assert [r["step"] for r in loop.run(config)] == [0, 1]
+  stored = json.loads((tmp_path / "run_config.json").read_text())
+  assert dict(stored["model"]["dispatcher_options"])["max_chunk_rows"] == 128
+  assert "capping the ring's chunks at 128 rows" in capsys.readouterr().out
+  # Nothing to cap: chunk sizes chosen by the user, an all-to-all, or a hop's share already under the cap.
+  with_options = lambda **o: dataclasses.replace(moe_heavy, model_overrides={  # noqa: E731
+      **moe_heavy.model_overrides, "dispatcher_options": o})
+  assert planning.caps_chunks(moe_heavy)
+  assert not planning.caps_chunks(with_options(chunk_rows=256))
+  assert not planning.caps_chunks(with_options(max_chunk_rows=256))
+  assert not planning.caps_chunks(dataclasses.replace(moe_heavy, dispatcher="all_to_all"))
+  assert not planning.caps_chunks(dataclasses.replace(moe_heavy, seq_len=64))
 
 
 def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_path, capsys, monkeypatch):

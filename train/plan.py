@@ -21,6 +21,12 @@ from train.loop import build_mesh, compile_step, memory_plan, model_config_for
 from train.step import layer_forward_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
+# A ring's largest chunk when memory is short. By default a hop runs its whole share of pairs (T·K/N rows) as one
+# chunk, so the chunk's buffers (gathered rows, gate/up, float32 output rows, their gradients) grow with the
+# sequence; capped (the dispatcher's `max_chunk_rows`) they do not. On one H200 the 4-layer Qwen3-30B-A3B shape's
+# longest sequence went from 544768 to 999424 tokens (docs/memory.md).
+FRUGAL_CHUNK_ROWS = 131072
+RINGS = ("ring_expert", "ring_token", "auto")
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
 FRUGAL_FIRST = ("offload", "layer", "attention", "none")
 
@@ -50,9 +56,31 @@ def device_limit_bytes(run_config: RunConfig):
   return min(limits) if all(limits) else None
 
 
-def with_remat(run_config, remat):
-  """The run with every layer's policy set (a name for all layers, or one per layer)."""
-  return dataclasses.replace(run_config, remat="", model_overrides={**run_config.model_overrides, "remat": remat})
+def with_remat(run_config, remat, max_chunk_rows=None):
+  """The run with every layer's policy set (a name for all layers, or one per layer) and, if given, the ring's
+  chunks capped."""
+  overrides = {**run_config.model_overrides, "remat": remat}
+  if max_chunk_rows:
+    overrides["dispatcher_options"] = {**dict(model_config_for(run_config).dispatcher_options),
+                                       "max_chunk_rows": max_chunk_rows}
+  return dataclasses.replace(run_config, remat="", model_overrides=overrides)
+
+
+def apply_plan(run_config, plan):
+  """The run as `plan` says: its per-layer policies and, where it capped them, the ring's chunks."""
+  return with_remat(run_config, plan.remat, plan.max_chunk_rows)
+
+
+def caps_chunks(run_config, devices=None):
+  """Whether FRUGAL_CHUNK_ROWS would shrink this run's chunks: a ring whose chunk sizes the user left to the
+  dispatcher, with a hop's balanced share of pairs above the cap."""
+  model = model_config_for(run_config)
+  options = dict(model.dispatcher_options)
+  if (run_config.dispatcher or model.dispatcher) not in RINGS or {"chunk_rows", "max_chunk_rows"} & set(options):
+    return False
+  mesh = build_mesh(run_config.mesh, devices)
+  tokens = run_config.batch_size * run_config.seq_len // math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+  return tokens * model.num_experts_per_tok / mesh.shape["expert"] > FRUGAL_CHUNK_ROWS
 
 
 @dataclasses.dataclass
@@ -68,10 +96,12 @@ class Plan:
   budget_bytes: int
   fits: bool
   compiles: list = dataclasses.field(default_factory=list)  # (what was compiled, total bytes) in order
+  max_chunk_rows: int | None = None  # FRUGAL_CHUNK_ROWS where the plan caps the ring's chunks
 
   def summary(self):
     counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
-    return ", ".join(f"{n} × {p}" for p, n in counts.items())
+    chunks = f", ring chunks ≤ {self.max_chunk_rows} rows" if self.max_chunk_rows else ""
+    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks
 
   def as_dict(self):
     return dict(dataclasses.asdict(self), summary=self.summary())
@@ -89,6 +119,7 @@ class Planner:
     self.compiles = []
     self._measured = {}
     self._steps = {}
+    self.cap = False  # plans cap the ring's chunks (where that shrinks them: `caps_chunks`)
 
   def measure(self, remat, **changes):
     """memory_plan of the run with `remat` and the given RunConfig changes (batch_size, seq_len); each compiled
@@ -96,12 +127,13 @@ class Planner:
     key = self._key(remat, changes)
     if key in self._measured:
       return self._measured[key]
-    config = with_remat(dataclasses.replace(self.run_config, **changes), remat)
+    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, self._chunk_cap(changes))
     step = compile_step(config, self.devices)
     if self.keep_steps:
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
-    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat))
+    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat),
+                **({"max_chunk_rows": FRUGAL_CHUNK_ROWS} if self._chunk_cap(changes) else {}))
     self.compiles.append((what, plan["total_bytes"]))
     self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
              f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
@@ -111,10 +143,22 @@ class Planner:
     """The CompiledStep measured for `remat` (with keep_steps), else None."""
     return self._steps.get(self._key(remat, changes))
 
-  @staticmethod
-  def _key(remat, changes):
+  def _key(self, remat, changes):
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
-    return str(sorted(dict(changes, remat=remat if len(set(remat)) > 1 else remat[:1]).items()))
+    return str(sorted(dict(changes, remat=remat if len(set(remat)) > 1 else remat[:1],
+                           max_chunk_rows=self._chunk_cap(changes)).items()))
+
+  def _chunk_cap(self, changes):
+    run = dataclasses.replace(self.run_config, **changes)
+    return FRUGAL_CHUNK_ROWS if self.cap and caps_chunks(run, self.devices) else None
+
+  def cap_chunks(self, **changes):
+    """From now on, plan with the ring's chunks capped; False where that changes nothing for this run."""
+    if self.cap or not caps_chunks(dataclasses.replace(self.run_config, **changes), self.devices):
+      return False
+    self.cap = True
+    self.log(f"  the most frugal plan does not fit: capping the ring's chunks at {FRUGAL_CHUNK_ROWS} rows")
+    return True
 
   def fits(self, plan):
     return plan["total_bytes"] <= self.budget_bytes
@@ -130,6 +174,8 @@ class Planner:
     for policy in choices[:-1]:
       uniform[policy] = self.measure(policy, **changes)
     if not self.fits(uniform[choices[0]]):
+      if self.cap_chunks(**changes):
+        return self.plan(**changes)
       return self._result((choices[0],) * layers, uniform[choices[0]], changes)
     remat = self._greedy(uniform, layers, changes)
     while True:
@@ -178,7 +224,8 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     return Plan(remat=tuple(remat), batch_size=run.batch_size, seq_len=run.seq_len,
                 state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
-                budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles))
+                budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles),
+                max_chunk_rows=self._chunk_cap(changes))
 
   def maximize(self, key, granule, upgrade=True):
     """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
@@ -186,6 +233,7 @@ class Planner:
     policies; at the limit the slack is below one search step's bytes anyway). Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
     granule, or 1/32 of the size when that is more. Returns (plan or None, the smallest size found not to fit)."""
     frugal = policies(self.devices)[0]
+    self.cap = True  # the longest sequence needs the ring's most frugal chunks too
     sizes = {}
 
     def fits_at(n):
@@ -267,7 +315,7 @@ def resolve_remat(run_config):
                          f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
   _log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
                     f"{plan.budget_bytes / 2**30:.2f})")
-  return with_remat(run_config, plan.remat), plan, planner.compiled_step(plan.remat)
+  return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat)
 
 
 def suggest(run_config):
