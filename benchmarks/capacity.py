@@ -189,6 +189,8 @@ def render(data):
       lines.append(f"| {name} | {variant} | {p['seq_len']} | {p['summary']} | {p['total_bytes'] / 2**30:.1f} | "
                    f"{p['budget_bytes'] / 2**30:.1f} | {r.get('not_fitting')} | {_step(r.get('at_limit'))} | "
                    f"{_step(r.get('above_limit'))} |")
+  notes = [f"- {s['name']}: {s['note']}" for s in data["settings"] if s.get("note")]
+  lines += [""] + notes if notes else []
   head = data.get("loss_head")
   if head:
     lines += ["", f"Loss head fwd+bwd at {head['tokens']} tokens (D {head['d_model']}, vocab {head['vocab']}"
@@ -209,15 +211,21 @@ def _step(r):
 
 
 def summary(data):
-  """The line people read: per variant, the longest sequence over the settings on real GPUs (not a topology),
-  counting a limit only where its real step, if one was run, trained."""
+  """The line people read: per variant, the longest sequence over the settings on real GPUs (not a topology):
+  a limit counts where its real step, if one was run, trained, and the size above it where its step trained."""
   local = [s for s in data["settings"] if not s.get("topology")] or data["settings"][:1]
-  seq = {v: max([(r.get("plan") or {}).get("seq_len", 0) for s in local for r in [s["variants"].get(v, {})]
-                 if (r.get("at_limit") or {"ran": True})["ran"]] or [0]) for v in VARIANTS}
+  seq = {v: max([_longest(s["variants"].get(v, {})) for s in local] or [0]) for v in VARIANTS}
   local = local[0]
   ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
   return (f"summary: capacity model=qwen3_30b gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
           f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
+
+
+def _longest(r):
+  ran = lambda step: (step or {}).get("ran")  # noqa: E731
+  limit = (r.get("plan") or {}).get("seq_len", 0) if ran(r.get("at_limit") or {"ran": True}) else 0
+  above = (r.get("not_fitting") or 0) if ran(r.get("above_limit")) else 0
+  return max(limit, above)
 
 
 def plot(data, path):
@@ -254,9 +262,15 @@ def write(data, out):
 
 
 def merge(paths, out):
-  """Settings of several runs in one file (a later run's setting replaces an earlier one of the same name)."""
+  """Settings of several runs in one file (in a setting of the same name, a later run's variant replaces an earlier
+  one's: a confirming run adds its steps to the search it confirms)."""
   runs = [json.load(open(p)) for p in paths]
-  settings = {s["name"]: s for run in runs for s in run["settings"]}
+  settings = {}
+  for setting in (s for run in runs for s in run["settings"]):
+    if setting["name"] in settings:
+      settings[setting["name"]]["variants"].update(setting["variants"])
+    else:
+      settings[setting["name"]] = dict(setting, variants=dict(setting["variants"]))
   data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths),
               settings=list(settings.values()), merged_from=[r["command"] for r in runs])
   data["loss_head"] = next((r["loss_head"] for r in reversed(runs) if r.get("loss_head")), None)

@@ -225,18 +225,42 @@ def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
   assert "| 1x1x8 compile-only 4 layers | ring | 1048576 |" in text
 
 
-def test_capacity_merge_keeps_the_latest_setting_of_each_name(tmp_path):
+def test_capacity_summary_counts_a_size_above_the_limit_whose_step_trained():
+  """The planner's limit is conservative by its headroom: a step above it that trained (fit check lifted) is the
+  variant's longest; one that failed is not."""
   from benchmarks import capacity  # noqa: PLC0415
-  def run(name, seq_len, path):
-    data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants=dict(
-        ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True)))])
+  ring, a2a = _capacity_found(524288, True), _capacity_found(233472, True)
+  ring["above_limit"] = dict(ran=False, peak_gib=None, seconds=9, message="RESOURCE_EXHAUSTED")
+  a2a["above_limit"] = dict(ran=True, peak_gib=127.5, seconds=9, message="")
+  local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(ring=ring, a2a_dropless=a2a))
+  assert capacity.summary(dict(settings=[local])).endswith(
+      f"ring_max_seq=524288 a2a_max_seq={a2a['not_fitting']} cf1_max_seq=0 ratio={524288 / a2a['not_fitting']:.2f}")
+
+
+def test_capacity_confirming_step_runs_the_plan_with_its_chunk_cap():
+  from benchmarks import capacity  # noqa: PLC0415
+  found = dict(_capacity_found(999424), options={"backend": "auto"})
+  found["plan"].update(remat=["offload"] * 4, batch_size=1, max_chunk_rows=131072)
+  cmd = capacity.train_command("ep8", 4, found, 999424, "/tmp/w", lift_fit_check=False)
+  assert 'model.dispatcher_options={"backend": "auto", "max_chunk_rows": 131072}' in cmd
+  assert "model.remat=[offload,offload,offload,offload]" in cmd and "seq_len=999424" in cmd
+
+
+def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
+  from benchmarks import capacity  # noqa: PLC0415
+  def run(name, seq_len, path, variants=("ring", "a2a_dropless")):
+    found = dict(ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True))
+    data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants={
+        v: found[v] for v in variants})])
     path.write_text(json.dumps(data))
     return str(path)
 
-  paths = [run("a", 1024, tmp_path / "1.json"), run("b", 4096, tmp_path / "2.json"), run("a", 2048, tmp_path / "3.json")]
+  paths = [run("a", 1024, tmp_path / "1.json"), run("b", 4096, tmp_path / "2.json"),
+           run("a", 2048, tmp_path / "3.json", variants=("ring",))]
   capacity.merge(paths, str(tmp_path / "merged.json"))
   merged = json.loads((tmp_path / "merged.json").read_text())
   assert [(s["name"], s["variants"]["ring"]["plan"]["seq_len"]) for s in merged["settings"]] == [("a", 2048), ("b", 4096)]
+  assert merged["settings"][0]["variants"]["a2a_dropless"]["plan"]["seq_len"] == 512  # kept from the first run
   assert merged["merged_from"] == ["run 1024", "run 4096", "run 2048"]
   assert (tmp_path / "merged.txt").read_text().splitlines()[-1].startswith("summary: capacity model=qwen3_30b gpus=1 "
                                                                            "ring_max_seq=4096 a2a_max_seq=2048")
