@@ -137,6 +137,19 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
   assert "With remat=auto it fits" in stderr
 
 
+def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):
+  step = loop.compile_step(BASE)  # remat none: uniform["none"] bytes
+  monkeypatch.setattr(loop, "allocator_grows_on_demand", lambda: True)
+  for fraction, warned in ((0.95, True), (0.8, False)):
+    config = dataclasses.replace(BASE, device_memory_gib=uniform["none"] / fraction / GIB)
+    assert loop.check_fits(config, step)["total_bytes"] == uniform["none"]
+    out = capsys.readouterr().out
+    assert ("XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows region by region" in out) == warned, out
+  monkeypatch.setattr(loop, "allocator_grows_on_demand", lambda: False)
+  loop.check_fits(dataclasses.replace(BASE, device_memory_gib=uniform["none"] / 0.95 / GIB), step)
+  assert "warning" not in capsys.readouterr().out
+
+
 def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_path, monkeypatch, capsys):
   """A run whose MoE chunks dominate (top-8 of 8 experts, 512 positions: a hop's share is 1024 rows): the frugal
   plan does not fit, the same plan with chunks capped (at 128 rows here) does, and `remat: auto` trains with it."""

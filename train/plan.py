@@ -17,7 +17,7 @@ import jax
 
 from models import qwen3
 from train.config import RunConfig
-from train.loop import build_mesh, compile_step, memory_plan, model_config_for
+from train.loop import build_mesh, compile_step, log_on_process_0, memory_plan, model_config_for
 from train.step import layer_forward_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
@@ -308,12 +308,12 @@ def resolve_remat(run_config):
   if run_config.remat != "auto":
     return run_config, None, None
   from train.loop import StepDoesNotFit  # noqa: PLC0415
-  planner = _planner(run_config, log=_log_on_process_0, keep_steps=True)
+  planner = _planner(run_config, log=log_on_process_0, keep_steps=True)
   plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"remat=auto: even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} "
                          f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
-  _log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
+  log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
                     f"{plan.budget_bytes / 2**30:.2f})")
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat)
 
@@ -331,11 +331,6 @@ def suggest(run_config):
 def _search_hint():
   return ("`relaymoe-plan --config RUN --maximize seq` (or batch) finds the longest sequence (largest micro-batch) "
           "that fits.")
-
-
-def _log_on_process_0(message):
-  if jax.process_index() == 0:
-    print(message, flush=True)
 
 
 # The dispatchers `relaymoe-plan` puts side by side: the run's ring and the two all-to-alls a JAX user has.
