@@ -432,9 +432,8 @@ def _train(run_config, resume, checkpoints, stop):
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size)
   if step is None:  # remat=auto compiled the chosen plan already
-    if jax.process_index() == 0:
-      print(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} devices)",
-            flush=True)
+    log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
+                     "devices)")
     step = compile_step(run_config)
   check_fits(run_config, step)  # before anything is allocated
   compiled, graphdef, mesh, compile_s = step.compiled, step.graphdef, step.mesh, step.compile_s

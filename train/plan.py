@@ -11,11 +11,13 @@ at the device's peak and, for `offload`, the layer input's round trip over the h
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
 
 from models import qwen3
+from relaymoe_jax.ring import default_chunk_rows
 from train.config import RunConfig
 from train.loop import build_mesh, compile_step, log_on_process_0, memory_plan, model_config_for
 from train.step import layer_forward_flops
@@ -80,7 +82,8 @@ def caps_chunks(run_config, devices=None):
     return False
   mesh = build_mesh(run_config.mesh, devices)
   tokens = run_config.batch_size * run_config.seq_len // math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
-  return tokens * model.num_experts_per_tok / mesh.shape["expert"] > FRUGAL_CHUNK_ROWS
+  ladder = functools.partial(default_chunk_rows, tokens, model.num_experts_per_tok, mesh.shape["expert"])
+  return ladder(FRUGAL_CHUNK_ROWS) != ladder()
 
 
 @dataclasses.dataclass
@@ -127,13 +130,14 @@ class Planner:
     key = self._key(remat, changes)
     if key in self._measured:
       return self._measured[key]
-    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, self._chunk_cap(changes))
+    cap = self._chunk_cap(changes)
+    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap)
     step = compile_step(config, self.devices)
     if self.keep_steps:
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
     what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat),
-                **({"max_chunk_rows": FRUGAL_CHUNK_ROWS} if self._chunk_cap(changes) else {}))
+                **({"max_chunk_rows": cap} if cap else {}))
     self.compiles.append((what, plan["total_bytes"]))
     self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
              f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
