@@ -43,8 +43,23 @@ class _ChunkRows(NamedTuple):
   sizes_L: jax.Array  # group sizes of the valid rows
 
 
-def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None):
-  """carry = body(rows, carry) over the range `pairs`, in chunks whose sizes come from the ladder `chunk_rows`.
+def _chunk_at(pairs, offset, rows, num_pairs):
+  iota_R = jnp.arange(rows, dtype=jnp.int32)
+  return _ChunkRows(first=pairs.start + offset, pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
+                    valid_R=offset + iota_R < pairs.count, sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
+
+
+def _level_runs(chunk_rows, level, offset, count):
+  """Whether a chunk of the ladder's `level` runs next at `offset`: full chunks of a size while at least that many
+  pairs remain, the last size until the range is done."""
+  if level == len(chunk_rows) - 1:
+    return offset < count
+  return count - offset >= chunk_rows[level]
+
+
+def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None, offset=0):
+  """carry = body(rows, carry) over the range `pairs` from `offset`, in chunks whose sizes come from the ladder
+  `chunk_rows`.
 
   `chunk_rows` is a descending tuple of row counts: full chunks of the first size while at least that many pairs
   remain, then of the next, and the last size until the range is done. A grouped kernel costs its static row count
@@ -54,20 +69,14 @@ def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None
   """
 
   def step(rows, offset, carry):
-    iota_R = jnp.arange(rows, dtype=jnp.int32)
-    chunk = _ChunkRows(first=pairs.start + offset, pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
-                       valid_R=offset + iota_R < pairs.count,
-                       sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
-    return offset + rows, body(chunk, carry)
+    return offset + rows, body(_chunk_at(pairs, offset, rows, num_pairs), carry)
 
   if static_chunks is not None:
     return jax.lax.fori_loop(0, static_chunks, lambda c, carry: step(chunk_rows[0], c * chunk_rows[0], carry)[1],
                              carry)
-  offset = jnp.int32(0)
+  offset = jnp.int32(offset)
   for level, rows in enumerate(chunk_rows):
-    last = level == len(chunk_rows) - 1
-    more = ((lambda s: s[0] < pairs.count) if last
-            else (lambda s, rows=rows: pairs.count - s[0] >= rows))
+    more = lambda s, level=level: _level_runs(chunk_rows, level, s[0], pairs.count)  # noqa: E731
     offset, carry = jax.lax.while_loop(more, lambda s, rows=rows: step(rows, *s), (offset, carry))
   return carry
 
@@ -84,18 +93,21 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, acc_TD, static_chunks)
 
 
-def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, backend, vary_axes):
+def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, vary_axes):
   """Recomputes the range's intermediates chunk by chunk and adds the gradients: dx and d(router weight) into
   `grads`, the weights' gradients into `dW` (each chunk's added in float32 and kept in dW's dtype).
+
+  `dW=None`: the range's own weight gradients, in the weights' dtype, begun from its first chunk where the range
+  fills one (a balanced hop's), not from zeros: per hop, a zero fill and an add of the weights' size fewer.
 
   Rows and weights are first cast to varying over `vary_axes` (every axis the outputs vary over): differentiating
   a chunk with an input invariant over some axis would make JAX psum its cotangent over that axis inside this
   data-dependent loop, which deadlocks when trip counts differ between devices and double-counts otherwise.
   """
   weights = tuple(vary_like(w, vary_axes) for w in weights)
+  num_pairs = tokens.tok_P.shape[0]
 
-  def chunk(rows, carry):
-    grads, dW = carry
+  def chunk_grads(rows, grads):
     tok_R = tokens.tok_P[rows.pos_R]
     valid_R1 = rows.valid_R[:, None]
     w_R = jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0)
@@ -108,6 +120,22 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW, *, chunk_rows, back
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)
     grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD, 0.0)),
                       dw_P=jax.lax.dynamic_update_slice_in_dim(grads.dw_P, dw_R, rows.first, 0))
+    return grads, dW_chunk
+
+  def chunk(rows, carry):
+    grads, dW = carry
+    grads, dW_chunk = chunk_grads(rows, grads)
     return grads, tuple((a.astype(jnp.float32) + b).astype(a.dtype) for a, b in zip(dW, dW_chunk))
 
-  return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (grads, dW))
+  if dW is not None:
+    return for_each_chunk(pairs, chunk_rows, num_pairs, chunk, (grads, dW))
+
+  def first_chunk(grads):
+    grads, dW_chunk = chunk_grads(_chunk_at(pairs, 0, chunk_rows[0], num_pairs), grads)
+    return jnp.int32(chunk_rows[0]), (grads, tuple(d.astype(w.dtype) for d, w in zip(dW_chunk, weights)))
+
+  def from_zeros(grads):
+    return jnp.int32(0), (grads, tuple(varying_zeros(w.shape, w.dtype, vary_axes) for w in weights))
+
+  offset, carry = jax.lax.cond(_level_runs(chunk_rows, 0, 0, pairs.count), first_chunk, from_zeros, grads)
+  return for_each_chunk(pairs, chunk_rows, num_pairs, chunk, carry, offset=offset)

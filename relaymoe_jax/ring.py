@@ -145,9 +145,12 @@ def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
   """The ladder for a hop whose balanced share is ceil(T·K / N) rows.
 
   With a ladder, the first size is 31/32 of the share, so that a hop near balance runs one full chunk and one
-  small one; a first size of the whole share would run a second full-size chunk for a single extra row.
+  small one; a first size of the whole share would run a second full-size chunk for a single extra row. A ring of
+  one has one hop holding every pair, never more than the share: one chunk of it.
   """
   share = _round_up(math.ceil(tokens_per_device * top_k / ring_size))
+  if ring_size == 1 and not (row_cap and row_cap < share):
+    return (share,)
   if row_cap:
     share = min(share, row_cap)
   if len(chunk_ladder(share)) > 1:

@@ -58,8 +58,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
     # A hop's weight gradient is relayed in the weights' dtype, so it is summed over the hop's chunks in that dtype
     # too: a float32 sum of a bf16 model's [L, D, 2F] and [L, F, D] was a zero fill and a read-modify-write of
     # twice the weights' bytes per chunk, ~19% of the step's kernel time at 16384 tokens per GPU (2×H200 trace).
-    dW0 = tuple(varying_zeros(w.shape, w.dtype, layout.compute_axes) for w in weights)
-    return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, partition), weights, grads, dW0,
+    return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, partition), weights, grads,
                           vary_axes=layout.compute_axes, **spec.chunk_options)
 
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)

@@ -73,4 +73,7 @@ def test_default_chunk_ladder():
   assert default_chunk_rows(65536, 8, 2) == (253952, 63488, 15872)
   assert default_chunk_rows(64, 2, 8) == (128,)  # small shares: one size, the share rounded up to 128
   assert default_chunk_rows(65536, 8, 2, row_cap=8192) == (7936, 2048)  # tail sizes round up to 128
+  # A ring of one holds every pair in its one hop: one chunk of the whole share, unless capped below it.
+  assert default_chunk_rows(65536, 8, 1) == (524288,) and default_chunk_rows(100, 3, 1) == (384,)
+  assert default_chunk_rows(65536, 8, 1, row_cap=131072) == (126976, 31744, 7936)
   assert chunk_ladder(4095) == (4095,) and chunk_ladder(4096) == (4096, 1024)
