@@ -262,15 +262,14 @@ def write(data, out):
 
 
 def merge(paths, out):
-  """Settings of several runs in one file (in a setting of the same name, a later run's variant replaces an earlier
-  one's: a confirming run adds its steps to the search it confirms)."""
+  """Settings of several runs in one file (in a setting of the same name, a later run's variant and note replace an
+  earlier one's: a confirming run adds its steps to the search it confirms)."""
   runs = [json.load(open(p)) for p in paths]
   settings = {}
   for setting in (s for run in runs for s in run["settings"]):
-    if setting["name"] in settings:
-      settings[setting["name"]]["variants"].update(setting["variants"])
-    else:
-      settings[setting["name"]] = dict(setting, variants=dict(setting["variants"]))
+    earlier = settings.get(setting["name"], {})
+    settings[setting["name"]] = {**earlier, **setting,
+                                 "variants": {**earlier.get("variants", {}), **setting["variants"]}}
   data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths),
               settings=list(settings.values()), merged_from=[r["command"] for r in runs])
   data["loss_head"] = next((r["loss_head"] for r in reversed(runs) if r.get("loss_head")), None)
@@ -329,6 +328,7 @@ def main(argv=None):
   if args.confirm_from:
     with open(args.confirm_from) as fh:
       earlier = next(s for s in json.load(fh)["settings"] if s["name"] == args.confirm_setting)
+    earlier.pop("note", None)  # it told of that run
     earlier["variants"] = {v: r for v, r in earlier["variants"].items() if v in variants}
     confirm(args.config, earlier["layers"], earlier["variants"], args.work, args.overrides)
     data["settings"].append(earlier)

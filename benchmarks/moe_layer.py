@@ -79,6 +79,7 @@ VARIANTS = {
     "a2a_dropless": ("all_to_all", {}),
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
+    "compute_floor_keep": ("ring_expert", {"keep_gate_up": True}),  # the same, the backward not recomputing gate/up
     "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
     "ring_expert_reverse": ("ring_expert", {"reverse_backward": True}),
     "ring_expert_home": ("ring_expert", {"reverse_backward": False}),  # backward in forward order, home send last
@@ -427,6 +428,17 @@ def render(rows, scaling):
     lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
                  f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} | {ov} | {_profiled(r)} |")
+  profiled = [r for r in rows if r.get("kernels")]
+  if profiled:
+    kinds = sorted({k for r in profiled for k in r["kernels"]["by_kind"]}, key=lambda k: (k != "grouped matmul", k))
+    lines += ["", "Kernel time per step on the first GPU, ms, by kind (`benchmarks.trace_summary`):", "",
+              "| shape | T/GPU | variant | " + " | ".join(kinds) + " | all kernels | all but grouped matmul |",
+              "|---|---|---|" + "---|" * (len(kinds) + 2)]
+    for r in profiled:
+      k = r["kernels"]
+      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | "
+                   + " | ".join(f"{k['by_kind'].get(kind, 0.0):.1f}" for kind in kinds)
+                   + f" | {k['busy_ms']:.1f} | {k['busy_ms'] - k['by_kind'].get('grouped matmul', 0.0):.1f} |")
   if scaling:
     lines += ["", "| EP | E | T/dev | ring MiB | dropless MiB | cf1 MiB | dropless/ring | cf1/ring |",
               "|---|---|---|---|---|---|---|---|"]
@@ -441,6 +453,7 @@ def summary(rows, scaling, shape=SUMMARY_SHAPE, tokens=SUMMARY_TOKENS):
   ring, dropless, cf1 = by.get("ring_expert"), by.get("a2a_dropless"), by.get("a2a_cf1")
   if not ring:
     return None
+  floor = lambda v: f"{by[v]['useful_tflops_per_gpu']:.1f}" if v in by else "nan"  # noqa: E731
   ratio = lambda b, key: f"{b[key] / ring[key]:.2f}" if b and ring[key] else "nan"  # noqa: E731
   ov = overlap(rows, ring)
   ep = {s["ep"]: f"{s['ratio_cf1']:.2f}" for s in scaling}
@@ -448,7 +461,8 @@ def summary(rows, scaling, shape=SUMMARY_SHAPE, tokens=SUMMARY_TOKENS):
           f"speedup_vs_dropless={ratio(dropless, 'latency_ms')} speedup_vs_cf1={ratio(cf1, 'latency_ms')} "
           f"peak_mem_ratio_dropless={ratio(dropless, 'peak_bytes')} peak_mem_ratio_cf1={ratio(cf1, 'peak_bytes')} "
           f"useful_tflops={ring['useful_tflops_per_gpu']:.1f} hop_overlap={f'{ov[0]:.2f}' if ov else 'nan'} "
-          f"ep8_mem_ratio_cf1={ep.get(8, 'nan')} ep64_mem_ratio_cf1={ep.get(64, 'nan')}")
+          f"ep8_mem_ratio_cf1={ep.get(8, 'nan')} ep64_mem_ratio_cf1={ep.get(64, 'nan')} "
+          f"floor_useful_tflops={floor('compute_floor')} floor_keep_useful_tflops={floor('compute_floor_keep')}")
 
 
 def plot(path):

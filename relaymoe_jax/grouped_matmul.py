@@ -221,34 +221,50 @@ def _matmul_options(dtype):
   return dict(preferred_element_type=jnp.float32, precision=matmul_precision(dtype))
 
 
-def expert_swiglu(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, *, backend="xla") -> jax.Array:
+def expert_swiglu(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, *, backend="xla"):
   """down(silu(x·gate) · (x·up)) for rows grouped by expert, with gate and up fused (G = 2F); float32 result and
-  accumulation."""
+  accumulation.
+
+  Returns:
+    (y_RD float32, gate_up_RG = x·[gate | up] in x's dtype, for a backward that keeps it).
+  """
   gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
-  act_RF = _swiglu_activation(gmm(x_RD, w_gate_up_LDG, sizes_L), x_RD.dtype)
-  return gmm(act_RF, w_down_LFD, sizes_L)
+  gate_up_RG = gmm(x_RD, w_gate_up_LDG, sizes_L)
+  act_RF = _swiglu_activation(gate_up_RG, x_RD.dtype)
+  return gmm(act_RF, w_down_LFD, sizes_L), gate_up_RG.astype(x_RD.dtype)
 
 
-def expert_swiglu_backward(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, dy_RD, w_R, *, backend="xla"):
-  """Gradients of Σ_r w_r · expert_swiglu(x)_r · dy_r, recomputing the intermediates from x.
+def expert_swiglu_backward(x_RD, w_gate_up_LDG, w_down_LFD, sizes_L, dy_RD, w_R, *, backend="xla",
+                           gate_up_RG=None):
+  """Gradients of Σ_r w_r · expert_swiglu(x)_r · dy_r, recomputing the intermediates from x (or, given the
+  forward's `gate_up_RG`, without the gate and up projections' recompute).
 
   The down projection's output is never recomputed: with g = dy · W_downᵀ, d(router weight)_r = Σ_F g·act and
   d(act) = w · g, and W_down's gradient is (w · act)ᵀ · dy. So a chunk runs five grouped matmuls (gate+up forward,
-  two input gradients, two weight gradients) where autodiff of a recomputed forward runs six.
+  two input gradients, two weight gradients) where autodiff of a recomputed forward runs six; four with
+  `gate_up_RG`.
 
   Returns:
     (dx_RD, dw_R, dw_gate_up_LDG, dw_down_LFD), float32.
   """
   gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
-  gate_up_RG, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDG)
-  act_RF, act_vjp = jax.vjp(lambda h: _swiglu_activation(h, x_RD.dtype), gate_up_RG)
+  # With gate_up_RG given, only this product's transposes are used: its forward is dead code that XLA removes.
+  recomputed_RG, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDG)
+  gate_RF, up_RF = split_gate_up((recomputed_RG if gate_up_RG is None else gate_up_RG).astype(jnp.float32))
+  sigmoid_RF = jax.nn.sigmoid(gate_RF)
+  silu_RF = gate_RF * sigmoid_RF
+  act_RF = (silu_RF * up_RF).astype(x_RD.dtype)  # as the forward's
   w_R1 = w_R.astype(jnp.float32)[:, None]
   # Only the transposes of this product are used: its forward is dead code that XLA removes.
   _, down_vjp = jax.vjp(lambda a, w: gmm(a, w, sizes_L), (act_RF * w_R1).astype(x_RD.dtype), w_down_LFD)
   g_RF, dw_down_LFD = down_vjp(dy_RD.astype(jnp.float32))
   g_RF = g_RF.astype(jnp.float32)
   dw_R = jnp.sum(g_RF * act_RF.astype(jnp.float32), axis=-1)
-  (d_gate_up_RG,) = act_vjp((g_RF * w_R1).astype(act_RF.dtype))
+  # SwiGLU's derivative by hand, one concatenation: autodiff's transpose of the [gate | up] split is two padded
+  # halves added, and XLA computed both halves (sigmoid included) for every element of the result.
+  d_act_RF = g_RF * w_R1
+  d_gate_up_RG = jnp.concatenate([d_act_RF * up_RF * sigmoid_RF * (1 + gate_RF * (1 - sigmoid_RF)),
+                                  d_act_RF * silu_RF], axis=-1)
   dx_RD, dw_gate_up_LDG = gate_up_vjp(d_gate_up_RG)
   return (dx_RD.astype(jnp.float32), dw_R, dw_gate_up_LDG.astype(jnp.float32),
           dw_down_LFD.astype(jnp.float32))

@@ -81,24 +81,37 @@ def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None
   return carry
 
 
-def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None):
-  """acc_TD (float32) += Σ over the range's pairs of w · SwiGLU_expert(x)."""
+def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PG=None):
+  """acc_TD (float32) += Σ over the range's pairs of w · SwiGLU_expert(x).
 
-  def chunk(rows, acc_TD):
+  `gate_up_PG`: a [P, 2F] buffer of x·[gate | up] in sorted-pair order that the range's pairs are also written
+  into, for a backward that keeps them (None: not kept).
+
+  Returns:
+    (acc_TD, gate_up_PG).
+  """
+
+  def chunk(rows, carry):
+    acc_TD, kept_PG = carry
     tok_R = tokens.tok_P[rows.pos_R]
-    y_RD = expert_swiglu(tokens.x_TD[tok_R], *weights, rows.sizes_L, backend=backend)
+    y_RD, gate_up_RG = expert_swiglu(tokens.x_TD[tok_R], *weights, rows.sizes_L, backend=backend)
     y_RD = jnp.where(rows.valid_R[:, None], y_RD * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None], 0.0)
-    return acc_TD.at[tok_R].add(y_RD)
+    if kept_PG is not None:  # rows past the range are other ranges' (or past P): dropped
+      to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PG.shape[0])
+      kept_PG = kept_PG.at[to_R].set(gate_up_RG.astype(kept_PG.dtype), mode="drop", unique_indices=True)
+    return acc_TD.at[tok_R].add(y_RD), kept_PG
 
-  return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, acc_TD, static_chunks)
+  return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (acc_TD, gate_up_PG), static_chunks)
 
 
-def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, vary_axes):
+def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, vary_axes,
+                   gate_up_PG=None):
   """Recomputes the range's intermediates chunk by chunk and adds the gradients: dx and d(router weight) into
   `grads`, the weights' gradients into `dW` (each chunk's added in float32 and kept in dW's dtype).
 
   `dW=None`: the range's own weight gradients, in the weights' dtype, begun from its first chunk where the range
   fills one (a balanced hop's), not from zeros: per hop, a zero fill and an add of the weights' size fewer.
+  `gate_up_PG`: the forward's x·[gate | up] (see `forward_pairs`), read instead of recomputed.
 
   Rows and weights are first cast to varying over `vary_axes` (every axis the outputs vary over): differentiating
   a chunk with an input invariant over some axis would make JAX psum its cotangent over that axis inside this
@@ -112,9 +125,10 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     valid_R1 = rows.valid_R[:, None]
     w_R = jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0)
     dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
+    kept_RG = None if gate_up_PG is None else gate_up_PG[rows.pos_R]
     dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
         vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes),
-        vary_like(w_R, vary_axes), backend=backend)
+        vary_like(w_R, vary_axes), backend=backend, gate_up_RG=kept_RG)
     # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
     # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)

@@ -112,6 +112,7 @@ class RingSpec:
   backend: str
   static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
   reverse_backward: bool = False  # ring_expert: the backward starts from the forward's last payload (`ring_relay`)
+  keep_gate_up: bool = False  # ring_expert: the forward keeps x·[gate | up] of every pair for the backward
 
   @property
   def experts_per_device(self):
@@ -176,9 +177,11 @@ def _check_row_cap(chunk_rows, row_cap):
 
 
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True,
-                   reverse_backward=False, row_cap=None):
+                   reverse_backward=False, row_cap=None, keep_gate_up=False):
   """`row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's largest chunk at most this many rows."""
   _check_row_cap(chunk_rows, row_cap)
+  if keep_gate_up and not recompute:
+    raise ValueError("keep_gate_up=True needs recompute=True (without it, plain autodiff keeps every intermediate)")
   backend = resolve_backend(backend, layout.mesh)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
@@ -192,7 +195,7 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
     ladder = ladder[:1]
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])
   return RingSpec(layout=layout, num_experts=num_experts, top_k=top_k, chunk_rows=ladder, backend=backend,
-                  static_chunks=static_chunks, reverse_backward=reverse_backward)
+                  static_chunks=static_chunks, reverse_backward=reverse_backward, keep_gate_up=keep_gate_up)
 
 
 def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):

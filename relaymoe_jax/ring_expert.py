@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.grouped_matmul import fuse_gate_up
 from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, zero_pair_grads
@@ -36,19 +37,32 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
   plan = make_pair_plan(idx_TK, spec.num_experts)
   tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
 
-  def hop(acc_TD, partition, weights):
+  def hop(state, partition, weights):
+    acc_TD, gate_up_PG = state
     return forward_pairs(tokens, _visiting_range(spec, plan.counts_E, partition), weights, acc_TD,
-                         static_chunks=spec.static_chunks, **spec.chunk_options)
+                         gate_up_PG=gate_up_PG, static_chunks=spec.static_chunks, **spec.chunk_options)
 
-  acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
   weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
-  acc_TD, last = ring_pass(hop, acc_TD, weights, axis=layout.expert_axis, n=layout.ring_size)
-  kept = last if spec.reverse_backward else ()
+  acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
+  gate_up_PG = (varying_zeros((plan.order_P.shape[0], weights[0].shape[2]), x_TD.dtype, layout.compute_axes)
+                if spec.keep_gate_up else None)
+  (acc_TD, gate_up_PG), last = ring_pass(hop, (acc_TD, gate_up_PG), weights, axis=layout.expert_axis,
+                                         n=layout.ring_size)
+  kept = (*(last if spec.reverse_backward else ()), *((gate_up_PG,) if spec.keep_gate_up else ()))
   return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E, *kept
+
+
+def _kept_specs(spec):
+  """Specs of what the forward keeps for the backward beyond the inputs and the pair plan."""
+  layout = spec.layout
+  last = (layout.expert_specs[0], layout.expert_specs[2]) if spec.reverse_backward else ()
+  gate_up = (P(layout.token_axes, layout.tensor_axis),) if spec.keep_gate_up else ()
+  return last + gate_up
 
 
 def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, *kept_and_dy, spec):
   *kept, dy_TD = kept_and_dy
+  gate_up_PG = kept.pop() if spec.keep_gate_up else None
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
@@ -59,7 +73,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
     # too: a float32 sum of a bf16 model's [L, D, 2F] and [L, F, D] was a zero fill and a read-modify-write of
     # twice the weights' bytes per chunk, ~19% of the step's kernel time at 16384 tokens per GPU (2×H200 trace).
     return backward_pairs(tokens, dy_TD, _visiting_range(spec, counts_E, partition), weights, grads,
-                          vary_axes=layout.compute_axes, **spec.chunk_options)
+                          vary_axes=layout.compute_axes, gate_up_PG=gate_up_PG, **spec.chunk_options)
 
   own_v = tuple(vary_like(w, layout.compute_axes) for w in own)
   to_weight_dtype = lambda dW: tuple(d.astype(w.dtype) for d, w in zip(dW, own))  # noqa: E731
@@ -81,7 +95,8 @@ class RingExpert:
     chunk_rows: rows of one grouped-matmul chunk: an int R (with tail sizes R/4, R/16 added when R ≥ 4096) or a
       descending tuple, the sizes a hop's pairs are walked in (see `hop.for_each_chunk`). Default: from 31/32 of the
       balanced share ceil(T·K/N) (capped for backends without a grouped kernel, see
-      `grouped_matmul.max_chunk_rows`): one chunk and a small tail per hop when routing is balanced.
+      `grouped_matmul.max_chunk_rows`): one chunk and a small tail per hop when routing is balanced; on a ring of
+      one, one chunk of all T·K pairs.
     max_chunk_rows: a cap on the default's largest chunk. A chunk's buffers grow with its rows, and by default
       a hop's share is one chunk, so they grow with the sequence; capped they do not (`train.plan` caps them when
       memory is short; the Qwen3-30B layer at 65536 tokens on one H200 ran 18% slower capped at 131072 rows,
@@ -99,6 +114,9 @@ class RingExpert:
       received weights for the backward anyway (so it costs no memory) and it measured 0.7–1.6 ms faster per
       Qwen3-30B layer on 2×H200 (docs/overlap.md); off for larger rings, where the kept partition is memory
       per MoE layer and the home send can overlap the next layer's backward.
+    keep_gate_up: the forward keeps x·[gate | up] of every pair (T·K × 2F elements per device, in x's dtype) for
+      the backward, which then skips recomputing the gate and up projections: a quarter of a hop's backward matmul
+      FLOPs. Memory for speed, off by default (RelayMoE keeps nothing per pair).
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
@@ -106,6 +124,7 @@ class RingExpert:
   backend: str = "auto"
   recompute: bool = True
   reverse_backward: bool | None = None
+  keep_gate_up: bool = False
 
   def reverses_backward(self, ring_size):
     """Whether the custom backward runs reversed on this ring (without `recompute` there is no custom backward, so
@@ -117,7 +136,7 @@ class RingExpert:
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     reverse = self.reverses_backward(layout.ring_size)
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
-                          recompute=self.recompute, reverse_backward=reverse, row_cap=self.max_chunk_rows)
-    kept_specs = (layout.expert_specs[0], layout.expert_specs[2]) if reverse else ()
-    ring = ring_vjp(spec, _forward_device, _backward_device, kept_specs)
+                          recompute=self.recompute, reverse_backward=reverse, row_cap=self.max_chunk_rows,
+                          keep_gate_up=self.keep_gate_up)
+    ring = ring_vjp(spec, _forward_device, _backward_device, _kept_specs(spec))
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

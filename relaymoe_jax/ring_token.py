@@ -51,8 +51,8 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 
   def hop(state, _partition, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
-    partial = forward_pairs(visiting.tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
-                            static_chunks=spec.static_chunks, **spec.chunk_options)
+    partial, _ = forward_pairs(visiting.tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
+                               static_chunks=spec.static_chunks, **spec.chunk_options)
     return state, partial
 
   own = _Partition(TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK)), plan.counts_E)

@@ -13,14 +13,14 @@ from benchmarks import moe_layer
 def rows():
   return [moe_layer.run_one(v, "tiny", 64, iters=1)
           for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16",
-                    "ring_nocomm", "ring_expert_reverse", "auto")]
+                    "ring_nocomm", "ring_expert_reverse", "auto", "compute_floor_keep")]
 
 
 def test_moe_layer_rows_measure_every_variant(rows):
   for row in rows:
     assert "error" not in row, row
     assert row["latency_ms"] > 0 and row["temp_bytes"] > 0
-  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8, 8]
+  assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8, 8, 1]
 
 
 @pytest.mark.parametrize("gpus", [2, 8])  # a ring of two reverses its backward, so its transfers differ
@@ -131,13 +131,16 @@ def test_moe_layer_summary_has_every_field(rows):
   fields = dict(re.findall(r"(\w+)=([^ ]+)", line))
   for key in ("speedup_vs_dropless", "speedup_vs_cf1", "hop_overlap", "ep8_mem_ratio_cf1", "ep64_mem_ratio_cf1"):
     assert float(fields[key]) > 0, (key, line)
-  assert float(fields["useful_tflops"]) >= 0  # tiny on CPU rounds to 0.0; peak memory ratios are nan on CPU
+  for key in ("useful_tflops", "floor_useful_tflops", "floor_keep_useful_tflops"):
+    assert float(fields[key]) >= 0, (key, line)  # tiny on CPU rounds to 0.0; peak memory ratios are nan on CPU
   assert "| ring_expert |" in moe_layer.render(rows, [])
 
 
 def test_profile_reports_kernel_time(tmp_path):
   row = moe_layer.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
+  table = moe_layer.render([row], [])
+  assert "Kernel time per step" in table and f"| {row['kernels']['busy_ms']:.1f} |" in table
 
 
 def test_trace_summary_places_collectives_beside_compute(tmp_path):
@@ -248,19 +251,20 @@ def test_capacity_confirming_step_runs_the_plan_with_its_chunk_cap():
 
 def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
   from benchmarks import capacity  # noqa: PLC0415
-  def run(name, seq_len, path, variants=("ring", "a2a_dropless")):
+  def run(name, seq_len, path, variants=("ring", "a2a_dropless"), note=None):
     found = dict(ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True))
     data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants={
-        v: found[v] for v in variants})])
+        v: found[v] for v in variants}, **({"note": note} if note else {}))])
     path.write_text(json.dumps(data))
     return str(path)
 
-  paths = [run("a", 1024, tmp_path / "1.json"), run("b", 4096, tmp_path / "2.json"),
-           run("a", 2048, tmp_path / "3.json", variants=("ring",))]
+  paths = [run("a", 1024, tmp_path / "1.json", note="limit not run yet"), run("b", 4096, tmp_path / "2.json"),
+           run("a", 2048, tmp_path / "3.json", variants=("ring",), note="limit trained")]
   capacity.merge(paths, str(tmp_path / "merged.json"))
   merged = json.loads((tmp_path / "merged.json").read_text())
   assert [(s["name"], s["variants"]["ring"]["plan"]["seq_len"]) for s in merged["settings"]] == [("a", 2048), ("b", 4096)]
   assert merged["settings"][0]["variants"]["a2a_dropless"]["plan"]["seq_len"] == 512  # kept from the first run
+  assert merged["settings"][0]["note"] == "limit trained"  # the later run's word on the setting
   assert merged["merged_from"] == ["run 1024", "run 4096", "run 2048"]
   assert (tmp_path / "merged.txt").read_text().splitlines()[-1].startswith("summary: capacity model=qwen3_30b gpus=1 "
                                                                            "ring_max_seq=4096 a2a_max_seq=2048")

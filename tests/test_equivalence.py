@@ -26,6 +26,7 @@ TOKENS, D_MODEL, D_FF = 64, 16, 24
 DIFF_ARGS = rmt.DIFF_ARGS
 
 E_ONLY, DATA_EXPERT = (rm.EXPERT,), (rm.DATA, rm.EXPERT)
+ETP_NAMES = (rm.DATA, rm.EXPERT, rm.TENSOR)
 # (mesh shape, axis names, E, K, skewed routing, chunk_rows: one size or a ladder)
 CASES = [
     ((1,), E_ONLY, 8, 2, False, None),
@@ -96,6 +97,17 @@ def test_ring_without_recompute_matches_oracle():
   layer = random_layer(3, TOKENS, D_MODEL, D_FF, 16, 2)
   assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, "ring_expert", recompute=False,
                         chunk_rows=8)
+
+
+@pytest.mark.parametrize("shape, names, e, k, skew, options", [
+    ((1,), E_ONLY, 8, 2, False, {}), ((2,), E_ONLY, 16, 8, True, {}), ((8,), E_ONLY, 8, 2, True, {"chunk_rows": (8, 3)}),
+    ((4, 2), DATA_EXPERT, 64, 8, True, {"chunk_rows": (16, 4), "reverse_backward": True}),
+    ((2, 2, 2), ETP_NAMES, 8, 2, True, {"tensor_axis": rm.TENSOR})])
+def test_backward_keeping_gate_up_matches_oracle(shape, names, e, k, skew, options):
+  """`keep_gate_up`: the forward writes x·[gate | up] of each hop's pairs into one buffer (chunks past a hop's range
+  write nothing there, ranges visited in ring order), the backward reads it instead of recomputing."""
+  layer = random_layer(sum(shape) + e + 5, TOKENS, D_MODEL, D_FF, e, k, skew=skew)
+  assert_matches_oracle(layer, mesh_of(shape, names), F32_RTOL, "ring_expert", keep_gate_up=True, **options)
 
 
 @pytest.mark.parametrize("shape, names, e, k, skew", [
@@ -239,9 +251,6 @@ FULL_TABLE = [((n,), E_ONLY, e, k, skew, None) for n in (1, 2, 4, 8) for e in (8
 def test_full_table_float32_matches_oracle(case, dispatcher):
   """Every ring size × top-k × expert count × skew of the spec (the default run covers a representative subset)."""
   test_float32_matches_oracle(case, dispatcher)
-
-
-ETP_NAMES = (rm.DATA, rm.EXPERT, rm.TENSOR)
 
 
 @pytest.mark.parametrize("dispatcher, options", [("ring_expert", {}), ("ring_token", {}), ("all_to_all", {}),

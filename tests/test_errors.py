@@ -45,6 +45,8 @@ BAD = [
                                                                           "at least 128"),
     ("fixed and capped chunks", {}, dict(dispatcher="auto", chunk_rows=256, max_chunk_rows=256),
      "chunk_rows=256 and max_chunk_rows=256: give one"),
+    ("kept gate_up without recompute", {}, dict(dispatcher="ring_expert", keep_gate_up=True, recompute=False),
+     "keep_gate_up=True needs recompute=True"),
 ]
 
 

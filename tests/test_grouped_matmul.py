@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import relaymoe_jax as rm
 from conftest import assert_close, mesh_of, random_layer
 from relaymoe_jax import grouped_matmul as gm
-from test_equivalence import DATA_EXPERT, F32_RTOL, assert_matches_oracle
+from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 GROUPS = {
     "random": [5, 17, 0, 30, 12, 0, 9, 23],
@@ -104,16 +104,18 @@ def test_dispatchers_on_the_kernel_path_match_the_oracle(dispatcher):
   assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, dispatcher, backend="kernel_reference")
 
 
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
-def test_chunk_ladder_on_the_kernel_path_matches_the_oracle(dispatcher):
-  """Chunks of three sizes, each with rows past the range's end that the kernels leave as NaN."""
+@pytest.mark.parametrize("dispatcher, options", [("ring_expert", {}), ("ring_token", {}),
+                                                 ("ring_expert", {"keep_gate_up": True})])
+def test_chunk_ladder_on_the_kernel_path_matches_the_oracle(dispatcher, options):
+  """Chunks of three sizes, each with rows past the range's end that the kernels leave as NaN (kept, with
+  `keep_gate_up`, nowhere)."""
   layer = random_layer(22, 64, 16, 24, 16, 4, skew=True)
   assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, dispatcher, backend="kernel_reference",
-                        chunk_rows=(24, 8, 3))
+                        chunk_rows=(24, 8, 3), **options)
 
 
 def _hopper_or_skip():
-  if not gm._hopper():
+  if not gm._hopper(jax.devices()[0]):
     pytest.skip("the Mosaic GPU kernels need a Hopper GPU; run `pytest -m gpu` there")
 
 
@@ -132,6 +134,16 @@ def test_mosaic_gpu_matches_ragged_dot_on_hopper(groups):
   for name, a, b in (("out", out, out_ref), ("d lhs", dl, dl_ref), ("d rhs", dr, dr_ref)):
     assert_close(a, b, 2e-2, name)
   assert not np.any(np.asarray(out[int(np.sum(sizes)):]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"keep_gate_up": True}])
+def test_expert_ring_on_mosaic_gpu_matches_the_oracle(options):
+  """The expert ring of one on the Mosaic kernels (bf16; one chunk per hop, begun without zeros): output and every
+  gradient against the float32 oracle on the same bf16 inputs."""
+  _hopper_or_skip()
+  layer = random_layer(23, 1024, 256, 128, 8, 2, skew=True, dtype=jnp.bfloat16)
+  assert_matches_oracle(layer, mesh_of((1,), E_ONLY), BF16_RTOL, "ring_expert", backend="mosaic_gpu", **options)
 
 
 @pytest.mark.parametrize("groups", sorted(GROUPS))
