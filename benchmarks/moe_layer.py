@@ -615,6 +615,7 @@ def write_table(data, out):
   header = [f"# {m['command']}\n#   {m.get('machine', '?')}; JAX {m['jax']}, Python {m['python']}; "
             f"XLA_FLAGS={m.get('xla_flags') or '(default)'}; compiler options {m.get('compiler_options', '(none)')}"
             + (f"; GPU memory fraction {m['mem_fraction']}" if "mem_fraction" in m else "")
+            + (f"; code: {m['code']}" if "code" in m else "")
             for m in runs + ([scaling] if scaling and scaling["command"] not in {r["command"] for r in runs} else [])]
   line = summary(data["rows"], scaling.get("rows", []))
   text = "\n".join(header + [render(data["rows"], scaling.get("rows", []))] + ([line] if line else []))

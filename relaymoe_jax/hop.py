@@ -125,7 +125,8 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     valid_R1 = rows.valid_R[:, None]
     w_R = jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0)
     dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
-    kept_RG = None if gate_up_PG is None else gate_up_PG[rows.pos_R]
+    # Rows past the range may be another range's or never written (pairs of no expert): zeros, not garbage.
+    kept_RG = None if gate_up_PG is None else jnp.where(valid_R1, gate_up_PG[rows.pos_R], 0)
     dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
         vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes),
         vary_like(w_R, vary_axes), backend=backend, gate_up_RG=kept_RG)

@@ -44,8 +44,9 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 
   weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
   acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
-  gate_up_PG = (varying_zeros((plan.order_P.shape[0], weights[0].shape[2]), x_TD.dtype, layout.compute_axes)
-                if spec.keep_gate_up else None)
+  # Uninitialised (no fill of its size): every row read back is first written or masked (`backward_pairs`).
+  gate_up_PG = (vary_like(jax.lax.empty((plan.order_P.shape[0], weights[0].shape[2]), x_TD.dtype),
+                          layout.compute_axes) if spec.keep_gate_up else None)
   (acc_TD, gate_up_PG), last = ring_pass(hop, (acc_TD, gate_up_PG), weights, axis=layout.expert_axis,
                                          n=layout.ring_size)
   kept = (*(last if spec.reverse_backward else ()), *((gate_up_PG,) if spec.keep_gate_up else ()))

@@ -180,6 +180,14 @@ def test_capacity_factor_drops_overflow_like_gshard():
   assert float(jnp.max(jnp.abs(y - y_full))) > 1e-3, "dropped pairs must change the output"
 
 
+def test_kept_gate_up_never_reads_unwritten_rows(monkeypatch):
+  """The kept x·[gate | up] buffer starts uninitialised (`lax.empty`); here it starts as NaN. Pairs of no expert
+  (ids out of range under jit) are written nowhere, and chunks reach past their hop's range: none of it may leak."""
+  monkeypatch.setattr(jax.lax, "empty", lambda shape, dtype, **_: jnp.full(shape, jnp.nan, dtype))
+  test_out_of_range_expert_ids_under_jit_contribute_nothing("ring_expert", {"keep_gate_up": True,
+                                                                            "chunk_rows": (8, 3)})
+
+
 ALL_DISPATCHERS = [("ring_expert", {}), ("ring_expert", {"reverse_backward": True}), ("ring_token", {}),
                    ("auto", {}), ("all_to_all", {}), ("dense", {})]
 ALL_IDS = [name + "".join(f"-{k}" for k in options) for name, options in ALL_DISPATCHERS]
