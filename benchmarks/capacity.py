@@ -79,8 +79,9 @@ def collect(procs):
 def train_command(config, layers, found, seq_len, work, lift_fit_check, overrides=()):
   """relaymoe-train for one step at seq_len with the variant's plan (the fit check lifted if asked)."""
   plan = found["plan"]
-  cap = {"max_chunk_rows": plan["max_chunk_rows"]} if plan.get("max_chunk_rows") else {}
-  options = json.dumps({**found.get("options", {}), **cap})
+  ring = {**({"max_chunk_rows": plan["max_chunk_rows"]} if plan.get("max_chunk_rows") else {}),
+          **({"keep_gate_up": True} if plan.get("keep_gate_up") else {})}
+  options = json.dumps({**found.get("options", {}), **ring})
   remat = "[" + ",".join(plan["remat"]) + "]"
   out = os.path.join(work, f"train_{found['dispatcher']}_{options.count('capacity')}_{seq_len}")
   cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", "1", "--out", out,

@@ -24,13 +24,18 @@ class Auto:
   Attributes:
     chunk_rows, max_chunk_rows: passed to the chosen ring.
     backend: grouped-matmul backend name.
+    keep_gate_up: passed to `RingExpert` where it is chosen (`RingToken` keeps nothing).
   """
 
   chunk_rows: int | tuple[int, ...] | None = None
   max_chunk_rows: int | None = None
   backend: str = "auto"
+  keep_gate_up: bool = False
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
-    ring = RingExpert if plan_for(layout, x_TD, idx_TK, w_gate_EDF).mode == EXPERT_MODE else RingToken
-    ring = ring(chunk_rows=self.chunk_rows, max_chunk_rows=self.max_chunk_rows, backend=self.backend)
+    options = dict(chunk_rows=self.chunk_rows, max_chunk_rows=self.max_chunk_rows, backend=self.backend)
+    if plan_for(layout, x_TD, idx_TK, w_gate_EDF).mode == EXPERT_MODE:
+      ring = RingExpert(**options, keep_gate_up=self.keep_gate_up)
+    else:
+      ring = RingToken(**options)
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)

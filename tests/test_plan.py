@@ -75,13 +75,28 @@ def test_a_budget_between_the_policies_gets_a_mixed_plan_that_fits(uniform):
   assert plan.remat != ("none", "none"), "keeping everything does not fit this budget"
   assert plan.remat != ("layer", "layer"), "the slack above the frugal plan should buy an upgrade"
   assert plan.remat == tuple(sorted(plan.remat, key=planning.FRUGAL_FIRST.index))
-  # The plan's bytes are those of the step its policies name.
-  assert memory_plan(planning.with_remat(BASE, plan.remat))["total_bytes"] == plan.total_bytes
+  # The plan's bytes are those of the step it names; the slack left after the remat upgrades let the ring keep its
+  # gate/up projections for the backward (a little more memory than recomputing them: the tiny model's 0.4 MB).
+  assert plan.keep_gate_up and plan.summary().endswith(", ring keeps gate/up"), plan
+  assert memory_plan(planning.apply_plan(BASE, plan))["total_bytes"] == plan.total_bytes
+  assert memory_plan(planning.with_remat(BASE, plan.remat))["total_bytes"] < plan.total_bytes
+
+
+def test_the_ring_keeps_gate_up_only_where_it_can_and_the_user_left_it_open():
+  with_options = lambda **o: dataclasses.replace(BASE, model_overrides={  # noqa: E731
+      **BASE.model_overrides, "dispatcher_options": o})
+  assert planning.keeps_gate_up(BASE) and planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="auto"))
+  assert not planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="ring_token"))
+  assert not planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="all_to_all"))
+  assert not planning.keeps_gate_up(with_options(keep_gate_up=False))
+  assert not planning.keeps_gate_up(with_options(recompute=False))
 
 
 def test_nothing_to_plan_when_everything_fits(uniform):
+  """Keeping everything fits exactly; the ring keeping gate/up as well would not."""
   plan = planner_with(uniform["none"]).plan()
-  assert plan.fits and plan.remat == ("none", "none") and len(plan.compiles) <= 1
+  assert plan.fits and plan.remat == ("none", "none") and not plan.keep_gate_up
+  assert [what for what, _ in plan.compiles] == [{"remat": "none"}, {"remat": "none", "keep_gate_up": True}]
 
 
 def test_a_budget_below_the_frugal_plan_is_reported_not_fitting(uniform):
@@ -97,7 +112,8 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
   assert [r["step"] for r in history] == [0, 1]
   stored = json.loads((tmp_path / "run_config.json").read_text())
   assert tuple(stored["remat_plan"]["remat"]) == expected.remat and stored["remat_plan"]["fits"]
-  assert tuple(stored["model"]["remat"]) == expected.remat
+  assert tuple(stored["model"]["remat"]) == expected.remat and expected.keep_gate_up
+  assert dict(stored["model"]["dispatcher_options"])["keep_gate_up"] is True
   assert f"remat auto: {expected.summary()}" in capsys.readouterr().out
 
 
@@ -164,7 +180,7 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
   budget = (capped + uncapped) / 2
   plan = planner_with(budget, moe_heavy).plan()
   assert plan.fits and plan.total_bytes <= budget and plan.max_chunk_rows == 128, plan
-  assert plan.summary().endswith("ring chunks ≤ 128 rows")
+  assert "ring chunks ≤ 128 rows" in plan.summary()
   config = dataclasses.replace(moe_heavy, remat="auto", device_memory_gib=memory_gib(budget), out_dir=str(tmp_path))
   assert [r["step"] for r in loop.run(config)] == [0, 1]
   stored = json.loads((tmp_path / "run_config.json").read_text())
@@ -181,7 +197,7 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
 
 
 def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_path, capsys, monkeypatch):
-  """A budget both steps fit whole (no remat to plan: one compile per variant)."""
+  """A budget both steps fit whole (no remat to plan; the ring keeps its gate/up projections too)."""
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   budget = 2 * uniform["none"]
   cli.plan_main(["--config", "cpu", "--out", str(tmp_path), "--variants", "ring,a2a_cf1", *OVERRIDES,
@@ -190,12 +206,12 @@ def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_pa
   assert list(written["variants"]) == ["ring", "a2a_cf1"] and written["devices"] == 8
   ring, cf1 = written["variants"]["ring"], written["variants"]["a2a_cf1"]
   assert ring["dispatcher"] == "ring_expert" and ring["plan"]["remat"] == ["none", "none"]
-  assert ring["plan"]["total_bytes"] == uniform["none"] and ring["plan"]["fits"]
+  assert ring["plan"]["keep_gate_up"] and ring["plan"]["total_bytes"] > uniform["none"] and ring["plan"]["fits"]
   assert cf1["dispatcher"] == "all_to_all" and cf1["options"] == {"capacity_factor": 1.0}
   assert cf1["plan"]["total_bytes"] != uniform["none"]  # its own step, not the ring's
-  assert cf1["plan"]["fits"] and cf1["plan"]["remat"] == ["none", "none"]
+  assert cf1["plan"]["fits"] and cf1["plan"]["remat"] == ["none", "none"] and not cf1["plan"]["keep_gate_up"]
   table = capsys.readouterr().out
-  assert "| ring | ring_expert | 8 | 128 | 2 × none |" in table and "| a2a_cf1 | all_to_all | 8 | 128 |" in table
+  assert "| ring | ring_expert | 8 | 128 | 2 × none, ring keeps gate/up |" in table and "| a2a_cf1 | all_to_all | 8 | 128 |" in table
 
 
 def test_plan_needs_a_memory_limit_on_cpu():

@@ -7,7 +7,9 @@ Every number comes from XLA's buffer assignment of the real train step compiled 
 policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
 until the budget is spent, as the paper does; the chosen plan is compiled once more to confirm it fits (and
 stepped back while it does not). Time saved is estimated from the model's FLOPs (`train.step.layer_forward_flops`)
-at the device's peak and, for `offload`, the layer input's round trip over the host link.
+at the device's peak and, for `offload`, the layer input's round trip over the host link. Where the expert ring's
+backward can then keep the forward's gate/up projections (`RingExpert.keep_gate_up`) within the budget, it does:
+one compile more, a quarter of the MoE backward's matmuls fewer.
 """
 
 import dataclasses
@@ -58,19 +60,30 @@ def device_limit_bytes(run_config: RunConfig):
   return min(limits) if all(limits) else None
 
 
-def with_remat(run_config, remat, max_chunk_rows=None):
+def with_remat(run_config, remat, max_chunk_rows=None, keep_gate_up=False):
   """The run with every layer's policy set (a name for all layers, or one per layer) and, if given, the ring's
-  chunks capped."""
+  chunks capped and its gate/up projections kept for the backward."""
   overrides = {**run_config.model_overrides, "remat": remat}
-  if max_chunk_rows:
-    overrides["dispatcher_options"] = {**dict(model_config_for(run_config).dispatcher_options),
-                                       "max_chunk_rows": max_chunk_rows}
+  ring = {**({"max_chunk_rows": max_chunk_rows} if max_chunk_rows else {}),
+          **({"keep_gate_up": True} if keep_gate_up else {})}
+  if ring:
+    overrides["dispatcher_options"] = {**dict(model_config_for(run_config).dispatcher_options), **ring}
   return dataclasses.replace(run_config, remat="", model_overrides=overrides)
 
 
 def apply_plan(run_config, plan):
-  """The run as `plan` says: its per-layer policies and, where it capped them, the ring's chunks."""
-  return with_remat(run_config, plan.remat, plan.max_chunk_rows)
+  """The run as `plan` says: its per-layer policies and, where it chose them, the ring's chunk cap and kept
+  gate/up projections."""
+  return with_remat(run_config, plan.remat, plan.max_chunk_rows, plan.keep_gate_up)
+
+
+def keeps_gate_up(run_config):
+  """Whether the run's expert ring could keep its gate/up projections for the backward: a dispatcher that runs
+  `RingExpert` (or may: `auto`) with the recomputing backward, and no choice of the user's about it."""
+  model = model_config_for(run_config)
+  options = dict(model.dispatcher_options)
+  return ((run_config.dispatcher or model.dispatcher) in ("ring_expert", "auto") and "keep_gate_up" not in options
+          and options.get("recompute", True))
 
 
 def caps_chunks(run_config, devices=None):
@@ -100,11 +113,13 @@ class Plan:
   fits: bool
   compiles: list = dataclasses.field(default_factory=list)  # (what was compiled, total bytes) in order
   max_chunk_rows: int | None = None  # FRUGAL_CHUNK_ROWS where the plan caps the ring's chunks
+  keep_gate_up: bool = False  # the expert ring keeps its gate/up projections for the backward
 
   def summary(self):
     counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
     chunks = f", ring chunks ≤ {self.max_chunk_rows} rows" if self.max_chunk_rows else ""
-    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks
+    kept = ", ring keeps gate/up" if self.keep_gate_up else ""
+    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks + kept
 
   def as_dict(self):
     return dict(dataclasses.asdict(self), summary=self.summary())
@@ -124,33 +139,33 @@ class Planner:
     self._steps = {}
     self.cap = False  # plans cap the ring's chunks (where that shrinks them: `caps_chunks`)
 
-  def measure(self, remat, **changes):
-    """memory_plan of the run with `remat` and the given RunConfig changes (batch_size, seq_len); each compiled
-    once."""
-    key = self._key(remat, changes)
+  def measure(self, remat, keep_gate_up=False, **changes):
+    """memory_plan of the run with `remat` (and the ring keeping gate/up, if asked) and the given RunConfig changes
+    (batch_size, seq_len); each compiled once."""
+    key = self._key(remat, changes, keep_gate_up)
     if key in self._measured:
       return self._measured[key]
     cap = self._chunk_cap(changes)
-    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap)
+    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up)
     step = compile_step(config, self.devices)
     if self.keep_steps:
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
-    what = dict(changes, remat=remat if isinstance(remat, str) else _compact(remat),
-                **({"max_chunk_rows": cap} if cap else {}))
+    what = dict(changes, remat=_compact((remat,) if isinstance(remat, str) else remat),
+                **({"max_chunk_rows": cap} if cap else {}), **({"keep_gate_up": True} if keep_gate_up else {}))
     self.compiles.append((what, plan["total_bytes"]))
     self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
              f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
     return plan
 
-  def compiled_step(self, remat, **changes):
+  def compiled_step(self, remat, keep_gate_up=False, **changes):
     """The CompiledStep measured for `remat` (with keep_steps), else None."""
-    return self._steps.get(self._key(remat, changes))
+    return self._steps.get(self._key(remat, changes, keep_gate_up))
 
-  def _key(self, remat, changes):
+  def _key(self, remat, changes, keep_gate_up=False):
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     return str(sorted(dict(changes, remat=remat if len(set(remat)) > 1 else remat[:1],
-                           max_chunk_rows=self._chunk_cap(changes)).items()))
+                           max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up).items()))
 
   def _chunk_cap(self, changes):
     run = dataclasses.replace(self.run_config, **changes)
@@ -174,7 +189,7 @@ class Planner:
     choices = policies(self.devices)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
-      return self._result(("none",) * layers, uniform["none"], changes)
+      return self._keeping_gate_up(self._result(("none",) * layers, uniform["none"], changes), changes)
     for policy in choices[:-1]:
       uniform[policy] = self.measure(policy, **changes)
     if not self.fits(uniform[choices[0]]):
@@ -185,8 +200,18 @@ class Planner:
     while True:
       plan = uniform[remat[0]] if len(set(remat)) == 1 else self.measure(remat, **changes)
       if self.fits(plan):
-        return self._result(remat, plan, changes)
+        return self._keeping_gate_up(self._result(remat, plan, changes), changes)
       remat = _step_back(remat, choices)
+
+  def _keeping_gate_up(self, plan, changes):
+    """`plan` with the expert ring keeping its gate/up projections for the backward, where the run can and the
+    step still fits."""
+    if not keeps_gate_up(dataclasses.replace(self.run_config, **changes)):
+      return plan
+    kept = self.measure(plan.remat, keep_gate_up=True, **changes)
+    if self.fits(kept):
+      return self._result(plan.remat, kept, changes, keep_gate_up=True)
+    return dataclasses.replace(plan, compiles=list(self.compiles))
 
   def _greedy(self, uniform, layers, changes):
     """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
@@ -224,12 +249,12 @@ class Planner:
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
             "offload": recompute_layer + 2 * layer_input_bytes / HOST_LINK_BYTES_PER_S}
 
-  def _result(self, remat, plan, changes):
+  def _result(self, remat, plan, changes, keep_gate_up=False):
     run = dataclasses.replace(self.run_config, **changes)
     return Plan(remat=tuple(remat), batch_size=run.batch_size, seq_len=run.seq_len,
                 state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
                 budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles),
-                max_chunk_rows=self._chunk_cap(changes))
+                max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up)
 
   def maximize(self, key, granule, upgrade=True):
     """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
@@ -272,6 +297,9 @@ class Planner:
 
 
 def _compact(remat):
+  """The policies' short form: the name when every layer has the same, else e.g. "none×2,layer×1"."""
+  if len(set(remat)) == 1:
+    return remat[0]
   return ",".join(f"{p}×{n}" for p, n in {p: remat.count(p) for p in dict.fromkeys(remat)}.items())
 
 
@@ -319,7 +347,7 @@ def resolve_remat(run_config):
                          f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
                     f"{plan.budget_bytes / 2**30:.2f})")
-  return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat)
+  return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
 
 
 def suggest(run_config):
