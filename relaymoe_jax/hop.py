@@ -96,8 +96,8 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
     tok_R = tokens.tok_P[rows.pos_R]
     y_RD, gate_up_RG = expert_swiglu(tokens.x_TD[tok_R], *weights, rows.sizes_L, backend=backend)
     y_RD = jnp.where(rows.valid_R[:, None], y_RD * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None], 0.0)
-    if kept_PG is not None:  # rows past the range are other ranges' (or past P): dropped
-      to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PG.shape[0])
+    if kept_PG is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
+      to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PG.shape[0] + jnp.arange(rows.pos_R.shape[0]))
       kept_PG = kept_PG.at[to_R].set(gate_up_RG.astype(kept_PG.dtype), mode="drop", unique_indices=True)
     return acc_TD.at[tok_R].add(y_RD), kept_PG
 
