@@ -8,12 +8,10 @@ import json
 import pathlib
 import shutil
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import requires_devices

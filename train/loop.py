@@ -436,7 +436,7 @@ def _train(run_config, resume, checkpoints, stop):
                      "devices)")
     step = compile_step(run_config)
   check_fits(run_config, step)  # before anything is allocated
-  compiled, graphdef, mesh, compile_s = step.compiled, step.graphdef, step.mesh, step.compile_s
+  compiled, mesh, compile_s = step.compiled, step.mesh, step.compile_s
   if run_config.init_from and not resume:
     params = initial_params(run_config.init_from, model_overrides_for(run_config), model_config, mesh)
   else:  # a resumed run's parameters come from its checkpoint
