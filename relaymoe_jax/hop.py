@@ -12,15 +12,38 @@ import jax.numpy as jnp
 
 from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import chunk_group_sizes
+from relaymoe_jax.pair_plan import chunk_group_sizes, sorted_pair_weights, unsort_pair_values
+
+# A chunk of at least this many rows per token adds its rows to their tokens by a gather: each token reads its K
+# sorted positions and sums the rows that are in the chunk (the rest all read row 0, which stays cached), in
+# float32, with no atomics. Smaller chunks scatter-add their rows, since the gather costs a pass over all T·K
+# positions and the [T, D] accumulator whatever the chunk's size. On one H200 (Qwen3-30B layer, 65536 tokens,
+# moe_layer_runs/20_*) the ring of one's two scatter-adds took 6.8 ms a step and their gathers ~1.1; a ladder of
+# 4·T-row chunks (an EP 2 hop's) ran 3.6 ms faster by gather, one of 2·T rows 2.7 ms.
+GATHER_MIN_ROWS_PER_TOKEN = 2
+
+
+def adds_by_gather(rows, num_tokens):
+  return rows >= GATHER_MIN_ROWS_PER_TOKEN * num_tokens
 
 
 class TokenSide(NamedTuple):
-  """The token half of a hop: rows, and for each expert-sorted pair its token index and router weight."""
+  """The token half of a hop: rows, and for each expert-sorted pair its token index and router weight; `pos_TK`,
+  the sorted position of each token's pairs, where a chunk adds its rows by gather (else None)."""
 
   x_TD: jax.Array
   tok_P: jax.Array
   w_P: jax.Array
+  pos_TK: jax.Array | None = None
+
+
+def token_side(x_TD, plan, w_TK, chunk_rows):
+  """This device's token half for hops walked in chunks of `chunk_rows`."""
+  num_pairs = plan.order_P.shape[0]
+  pos_TK = None
+  if any(adds_by_gather(rows, x_TD.shape[0]) for rows in chunk_rows):
+    pos_TK = unsort_pair_values(plan, jnp.arange(num_pairs, dtype=jnp.int32), w_TK.shape)
+  return TokenSide(x_TD, plan.tokens(w_TK.shape[1]), sorted_pair_weights(plan, w_TK), pos_TK)
 
 
 class PairGrads(NamedTuple):
@@ -38,6 +61,7 @@ def zero_pair_grads(x_TD, num_pairs, axes, chunk_rows):
 
 class _ChunkRows(NamedTuple):
   first: jax.Array  # sorted-pair position of the chunk's first row
+  count: jax.Array  # rows before the range's end
   pos_R: jax.Array  # sorted-pair positions, clipped into the pair list
   valid_R: jax.Array  # False past the range's end
   sizes_L: jax.Array  # group sizes of the valid rows
@@ -45,8 +69,25 @@ class _ChunkRows(NamedTuple):
 
 def _chunk_at(pairs, offset, rows, num_pairs):
   iota_R = jnp.arange(rows, dtype=jnp.int32)
-  return _ChunkRows(first=pairs.start + offset, pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1),
-                    valid_R=offset + iota_R < pairs.count, sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
+  count = jnp.clip(pairs.count - offset, 0, rows)
+  return _ChunkRows(first=pairs.start + offset, count=count,
+                    pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1), valid_R=iota_R < count,
+                    sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
+
+
+def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
+  """acc_TD (float32) += each row of the chunk before the range's end (times its router weight if `weighted`) at
+  its token: by gather where the chunk is large (see `GATHER_MIN_ROWS_PER_TOKEN`), else by scatter-add."""
+  if tokens.pos_TK is None or not adds_by_gather(v_RD.shape[0], acc_TD.shape[0]):
+    if weighted:
+      v_RD = v_RD.astype(jnp.float32) * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None]
+    return acc_TD.at[tokens.tok_P[rows.pos_R]].add(jnp.where(rows.valid_R[:, None], v_RD, 0.0))
+  rel_TK = tokens.pos_TK - rows.first
+  in_TK = (rel_TK >= 0) & (rel_TK < rows.count)
+  v_TKD = v_RD[jnp.where(in_TK, rel_TK, 0)].astype(jnp.float32)
+  if weighted:
+    v_TKD = v_TKD * tokens.w_P[tokens.pos_TK].astype(jnp.float32)[..., None]
+  return acc_TD + jnp.sum(jnp.where(in_TK[..., None], v_TKD, 0.0), axis=1)
 
 
 def _level_runs(chunk_rows, level, offset, count):
@@ -93,13 +134,12 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
 
   def chunk(rows, carry):
     acc_TD, kept_PG = carry
-    tok_R = tokens.tok_P[rows.pos_R]
-    y_RD, gate_up_RG = expert_swiglu(tokens.x_TD[tok_R], *weights, rows.sizes_L, backend=backend)
-    y_RD = jnp.where(rows.valid_R[:, None], y_RD * tokens.w_P[rows.pos_R].astype(jnp.float32)[:, None], 0.0)
+    x_RD = tokens.x_TD[tokens.tok_P[rows.pos_R]]
+    y_RD, gate_up_RG = expert_swiglu(x_RD, *weights, rows.sizes_L, backend=backend)
     if kept_PG is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
       to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PG.shape[0] + jnp.arange(rows.pos_R.shape[0]))
       kept_PG = kept_PG.at[to_R].set(gate_up_RG.astype(kept_PG.dtype), mode="drop", unique_indices=True)
-    return acc_TD.at[tok_R].add(y_RD), kept_PG
+    return _add_to_tokens(acc_TD, y_RD, rows, tokens, weighted=True), kept_PG
 
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (acc_TD, gate_up_PG), static_chunks)
 
@@ -133,7 +173,7 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
     # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)
-    grads = PairGrads(dx_TD=grads.dx_TD.at[tok_R].add(jnp.where(valid_R1, dx_RD, 0.0)),
+    grads = PairGrads(dx_TD=_add_to_tokens(grads.dx_TD, dx_RD, rows, tokens),
                       dw_P=jax.lax.dynamic_update_slice_in_dim(grads.dw_P, dw_R, rows.first, 0))
     return grads, dW_chunk
 

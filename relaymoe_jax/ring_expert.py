@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.grouped_matmul import fuse_gate_up
-from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, zero_pair_grads
+from relaymoe_jax.hop import backward_pairs, forward_pairs, token_side, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range, sorted_pair_weights
+from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range
 from relaymoe_jax.ring import backward_outputs, make_ring_spec, ring_pass, ring_relay, ring_vjp
 
 
@@ -35,7 +35,7 @@ def _visiting_range(spec, counts_E, partition):
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
   layout = spec.layout
   plan = make_pair_plan(idx_TK, spec.num_experts)
-  tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
+  tokens = token_side(x_TD, plan, w_TK, spec.chunk_rows)
 
   def hop(state, partition, weights):
     acc_TD, gate_up_PG = state
@@ -66,7 +66,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   gate_up_PG = kept.pop() if spec.keep_gate_up else None
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
-  tokens = TokenSide(x_TD, plan.tokens(spec.top_k), sorted_pair_weights(plan, w_TK))
+  tokens = token_side(x_TD, plan, w_TK, spec.chunk_rows)
   own = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(grads, partition, weights):
