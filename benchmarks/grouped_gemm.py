@@ -1,6 +1,7 @@
 """Grouped-GEMM speed on one Hopper GPU: the Mosaic GPU kernels against `lax.ragged_dot` and a dense matmul.
 
-    python -m benchmarks.grouped_gemm [--tune] [--quick] [--out benchmarks/results/grouped_gemm.json]
+    python -m benchmarks.grouped_gemm [--tune] [--quick] [--ep 8,2] [--out benchmarks/results/grouped_gemm.json]
+    python -m benchmarks.grouped_gemm --merge A.json B.json --out C.json   # one table from several runs
 
 For the per-hop shapes of the MoE layers (rows M = T·K/N with T = 32768 tokens per GPU, G = E/N groups, random
 group sizes), each of a hop's two grouped matmuls (gate+up fused: K=D, N=2F; down: K=F, N=D) is timed as forward,
@@ -47,10 +48,13 @@ class Problem:
     return 2 * self.m * self.k * self.n
 
 
-def problems(quick):
+def problems(quick, eps=None):
+  """The summary shape, then each model's (the first only if `quick`) per-hop shapes at each EP size in `eps`
+  (default: 8 if `quick`, else 8 and 2)."""
+  eps = eps or ((8,) if quick else (8, 2))
   out = [Problem("qwen3_30b_ep8", 32768, 2048, 768, 16)]
   for model, (d, f, e, k) in MODELS.items():
-    for ep in ((8,) if quick else (8, 2)):
+    for ep in eps:
       m = TOKENS_PER_GPU * k // ep
       out += [Problem(f"{model}_ep{ep}_gate_up", m, d, 2 * f, e // ep),
               Problem(f"{model}_ep{ep}_down", m, f, d, e // ep)]
@@ -117,12 +121,23 @@ def _transposed_call(mg, tiles):
   return jax.jit(call)
 
 
-def tune(probs):
-  """Times candidate tiles per (op, K, N) and writes the fastest into the tiles file."""
+# The ragged kernel's candidates: block_m, block_n, pipeline stages (block_k 64), grid_block_n (output tiles along N
+# run next to each other, sharing rows in L2). On the ring-of-one gate/up shape a wider search (block_k 128, 2–5
+# stages, grid_block_n 1) found its best inside this set (`moe_layer_runs/20_tune.log`).
+RAGGED_SEARCH = ((128, 192), (128, 192, 256), (3, 4), (2, 4, 8))
+
+
+def tune(probs, ops=None):
+  """Times candidate tiles per (op, K, N) of `ops` (default: both kernels) and the tiles in use, and writes the
+  fastest into the tiles file after each (op, K, N): a tune stopped early keeps what it found, keys it does not
+  reach keep their tiles."""
   from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
   table = {mg.RAGGED: {}, mg.TRANSPOSED: {}}
+  for op, tiles in mg.tuned_tiles().items():
+    table[op].update(tiles)
+  done = {(op, None) for op in table if ops and op not in ops}
   ragged = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=s, grid_block_n=g)
-            for bm, bn, s, g in itertools.product((128, 192), (128, 256), (4,), (1, 2))]
+            for bm, bn, s, g in itertools.product(*RAGGED_SEARCH)]
   transposed = [dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=s, grid_block_n=g)
                 for bm, bn, bk, s, g in itertools.product((64, 128), (128, 256), (64, 128), (4,), (1,))]
   for p in probs:
@@ -132,10 +147,12 @@ def tune(probs):
             (mg.TRANSPOSED, transposed, p.k, p.n, lambda t: _transposed_call(mg, t), (lhs, d_out, sizes)))
     for op, candidates, kk, nn, make, args in jobs:
       key = f"{kk}x{nn}"
-      if key in table[op]:
+      if (op, key) in done or (op, None) in done:
         continue
+      done.add((op, key))
       best = None
-      for t in candidates:
+      in_use = mg.tiles_for(op, kk, nn)
+      for t in ([in_use] if in_use else []) + [c for c in candidates if c != in_use]:
         if not mg._fits(op, t, kk, nn):
           continue
         try:
@@ -143,40 +160,83 @@ def tune(probs):
         except Exception as e:  # noqa: BLE001  (a candidate the kernel rejects is skipped)
           print(f"  {op} {key} {t}: {type(e).__name__}: {str(e)[:120]}", flush=True)
           continue
+        if t == in_use:
+          print(f"  {op} {key} in use {t}: {p.flops / seconds / 1e12:.0f} TFLOP/s", flush=True)
         if best is None or seconds < best[0]:
           best = (seconds, t)
       if best:
         table[op][key] = best[1]
         print(f"tuned {op} {key}: {best[1]} {p.flops / best[0] / 1e12:.0f} TFLOP/s", flush=True)
-  mg.TILES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        mg.TILES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
   mg.tuned_tiles.cache_clear()
 
 
-def render(rows, meta):
-  head = "| shape | M | K | N | G | fwd | dgrad | wgrad | xla fwd | dense |"
-  lines = [f"# grouped_gemm TFLOP/s, bf16 ({meta['device']}, jax {meta['jax']}, python {meta['python']})", head,
-           "|" + "---|" * 10]
+def _tiles_in_use(r):
+  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
+  return {op: mg.tiles_for(op, kk, nn) for op, kk, nn in ((mg.RAGGED, r["k"], r["n"]), (mg.TRANSPOSED, r["k"], r["n"]))}
+
+
+def render(rows, runs):
+  """The table under one header line per run; rows measured with other tiles than the committed ones are marked."""
+  lines = [f"# {m['command']}\n#   {m['device']}, jax {m['jax']}, python {m['python']}"
+           + (f"; {m['note']}" if "note" in m else "") for m in runs]
+  lines += ["| shape | M | K | N | G | fwd | dgrad | wgrad | xla fwd | dense |", "|" + "---|" * 10]
   fmt = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
+  stale = 0
   for r in rows:
-    lines.append(f"| {r['name']} | {r['m']} | {r['k']} | {r['n']} | {r['groups']} | {fmt(r['fwd_tflops'])} | "
+    mark = "" if r.get("tiles") == _tiles_in_use(r) else " †"
+    stale += bool(mark)
+    lines.append(f"| {r['name']}{mark} | {r['m']} | {r['k']} | {r['n']} | {r['groups']} | {fmt(r['fwd_tflops'])} | "
                  f"{fmt(r['dgrad_tflops'])} | {fmt(r['wgrad_tflops'])} | {fmt(r['xla_fwd_tflops'])} | "
                  f"{fmt(r['dense_tflops'])} |")
-  s = rows[0]
+  if stale:
+    lines.append("† measured with other tiles than `relaymoe_jax/mosaic_gpu_tiles.json` gives now")
+  s = next(r for r in rows if r["name"] == "qwen3_30b_ep8")
   lines.append(f"summary: grouped_gemm shape=qwen3_30b_ep8 fwd_tflops={s['fwd_tflops']:.1f} "
                f"wgrad_tflops={s['wgrad_tflops']:.1f} xla_fwd_tflops={s['xla_fwd_tflops'] or 0:.1f}")
   return "\n".join(lines)
 
 
+def write(rows, runs, out):
+  """JSON (one run's meta, or `runs`) and the table beside it."""
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out, "w") as fh:
+    json.dump(dict(meta=dict(runs=runs) if len(runs) > 1 else runs[0], rows=rows), fh, indent=1)
+  table = render(rows, runs)
+  with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
+    fh.write(table + "\n")
+  return table
+
+
+def merge(paths, out):
+  """One results file from several runs: a later run's row of a shape replaces an earlier one, in place."""
+  rows, runs = {}, []
+  for path in paths:
+    data = json.load(open(path))
+    runs.extend(data["meta"].get("runs", [data["meta"]]))
+    rows.update({r["name"]: r for r in data["rows"]})
+  return write(list(rows.values()), runs, out)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tune", action="store_true")
-  parser.add_argument("--quick", action="store_true", help="the Qwen3-30B EP 8 shapes only")
+  parser.add_argument("--quick", action="store_true", help="the Qwen3-30B shapes only (at EP 8 unless --ep)")
   parser.add_argument("--tune-quick", action="store_true", help="tune on the Qwen3-30B EP 8 shapes, then measure all")
+  parser.add_argument("--tune-ops", help="comma list of the kernels to tune: ragged_dot, transposed_ragged_dot")
+  parser.add_argument("--ep", help="comma list of EP sizes whose per-hop shapes are measured and tuned (1: the ring "
+                      "of one); default 8 with --quick, else 8,2")
+  parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine results files into --out")
   parser.add_argument("--out", default=os.path.join(RESULTS, "grouped_gemm.json"))
   args = parser.parse_args(argv)
-  probs = problems(args.quick)
+  if args.merge:
+    print(merge(args.merge, args.out))
+    return
+  probs = problems(args.quick, args.ep and tuple(map(int, args.ep.split(","))))
   if args.tune or args.tune_quick:
-    tune(problems(True) if args.tune_quick else probs)
+    tuned = problems(True) if args.tune_quick else probs
+    tune(tuned[1:] + tuned[:1], args.tune_ops and args.tune_ops.split(","))  # the summary shape last: its K×N
+    # keys are the down projection's, transposed
   rows = []
   for p in probs:
     rows.append(measure(p, with_xla=p.groups <= 16))
@@ -184,13 +244,7 @@ def main(argv=None):
   meta = dict(command="python -m benchmarks.grouped_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
               device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(),
               xla_flags=os.environ.get("XLA_FLAGS", ""), tokens_per_gpu=TOKENS_PER_GPU)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as fh:
-    json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-  table = render(rows, meta)
-  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
-    fh.write(table + "\n")
-  print(table)
+  print(write(rows, [meta], args.out))
 
 
 if __name__ == "__main__":

@@ -597,7 +597,7 @@ def merge(paths, out):
   rows, runs, scaling = {}, [], {}
   for path in paths:
     data = json.load(open(path))
-    runs.append(data["meta"])
+    runs.extend(data["meta"].get("runs", [data["meta"]]))  # a merged file brings its runs
     rows.update({(r["shape"], r["variant"], None if r["variant"] == TRANSFER else r["tokens_per_gpu"]): r
                  for r in data["rows"]})
     scaling = data.get("ep_scaling") or scaling

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import moe_layer
+from benchmarks import grouped_gemm, moe_layer
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,12 @@ def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
   text = (tmp_path / "merged.txt").read_text()
   assert "# a\n" in text and "# b\n" in text and "# ep\n" in text
   assert text.splitlines()[-1].startswith("summary: moe_layer gpus=2 shape=qwen3_30b tokens=65536 ")
+  third = run("c", [row("qwen3_30b", 8192, "ring_expert", 1.5)])
+  moe_layer.merge([str(out), third], str(tmp_path / "again.json"))  # a merged file merged again keeps its runs
+  again = json.loads((tmp_path / "again.json").read_text())
+  assert [m["command"] for m in again["meta"]["runs"]] == ["a", "b", "c"]
+  assert len(again["rows"]) == len(merged["rows"]) and ("qwen3_30b", 8192, "ring_expert", 1.5) in [
+      (r["shape"], r["tokens_per_gpu"], r["variant"], r["latency_ms"]) for r in again["rows"]]
   assert "speedup_vs_cf1=1.50" in text and "ep8_mem_ratio_cf1=5.00" in text
 
 
@@ -279,3 +285,23 @@ def test_capacity_loss_head_only_compares_plain_and_chunked(tmp_path):
   assert head["plain_temp_gib"] >= head["full_logits_gib"] > 37 and head["chunked_temp_gib"] < 3, head
   text = (tmp_path / "head.txt").read_text()
   assert "Loss head fwd+bwd at 65536 tokens" in text and "summary:" not in text
+
+
+def test_grouped_gemm_merge_replaces_rows_and_marks_other_tiles(tmp_path):
+  def row(name, k, n, fwd, tiles=None):
+    r = dict(name=name, m=64, k=k, n=n, groups=2, fwd_tflops=fwd, dgrad_tflops=1.0, wgrad_tflops=1.0,
+             xla_fwd_tflops=None, dense_tflops=1.0)
+    return dict(r, tiles=grouped_gemm._tiles_in_use(r) if tiles is None else tiles)
+
+  def run(name, rows):
+    meta = dict(command=name, device="d", jax="j", python="p")
+    (tmp_path / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    return str(tmp_path / f"{name}.json")
+
+  first = run("a", [row("qwen3_30b_ep8", 2048, 768, 1.0), row("x", 2048, 1536, 2.0, tiles={})])
+  second = run("b", [row("qwen3_30b_ep8", 2048, 768, 3.0)])
+  text = grouped_gemm.merge([first, second], str(tmp_path / "m.json"))
+  assert [r["fwd_tflops"] for r in json.loads((tmp_path / "m.json").read_text())["rows"]] == [3.0, 2.0]
+  assert "| qwen3_30b_ep8 | 64 |" in text and "| x † | 64 |" in text and "# a\n" in text and "# b\n" in text
+  assert text.splitlines()[-1] == "summary: grouped_gemm shape=qwen3_30b_ep8 fwd_tflops=3.0 wgrad_tflops=1.0 " \
+                                  "xla_fwd_tflops=0.0"
