@@ -6,9 +6,11 @@ No communication. forward = `ragged_dot_mgpu.ragged_dot`; input gradient = the s
 shapes to `xla`): bf16/f16 inputs, the contraction dim of `ragged_dot` a multiple of block_k, output dims a
 multiple of the output tile, and shared memory ≤ 228 kB per SM. Tiles come from `mosaic_gpu_tiles.json` (keyed by
 op and K×N, written by `python -m benchmarks.grouped_gemm --tune`), else the defaults below, shrunk to divide the
-shape. Importing this module needs a JAX with Pallas Mosaic GPU; tracing its kernels needs a Hopper GPU.
+shape. Importing this module needs a JAX with Pallas Mosaic GPU; tracing its kernels needs a Hopper GPU, or (compiling
+for GPUs this process does not have, e.g. `relaymoe-plan --topology`) a mesh of them around the call.
 """
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -79,8 +81,35 @@ def lhs_grad(d_out_MN, rhs_GKN, sizes_G):
                                     **tiles_for(RAGGED, d_out_MN.shape[1], rhs_GKN.shape[1]))
 
 
+class _WithCores:
+  """A device that reports another core count."""
+
+  def __init__(self, device, core_count):
+    self._device, self.core_count = device, core_count
+
+  def __getattr__(self, name):
+    return getattr(self._device, name)
+
+
+@contextlib.contextmanager
+def _sm_count_of_target():
+  """`transposed_ragged_dot` sizes its persistent grid from `jax.devices()[0].core_count`. Compiling for GPUs this
+  process does not have (a compile-only topology), that device is this process's CPU: while the kernel traces, it
+  reports the SMs of the mesh's GPUs instead (the only change; tracing is single-threaded)."""
+  devices, target = jax.devices, jax.sharding.get_abstract_mesh().abstract_device
+  if devices()[0].platform == "gpu" or getattr(target, "platform", None) != "gpu":
+    yield
+    return
+  jax.devices = lambda *args, **kwargs: [_WithCores(d, target.num_cores) for d in devices(*args, **kwargs)]
+  try:
+    yield
+  finally:
+    jax.devices = devices
+
+
 def rhs_grad(lhs_MK, d_out_MN, sizes_G):
-  with jax.numpy_dtype_promotion("standard"):  # the kernel's dynamic grid mixes int32 and int64
+  # The kernel's dynamic grid mixes int32 and int64.
+  with jax.numpy_dtype_promotion("standard"), _sm_count_of_target():
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
         lhs_MK, d_out_MN, group_sizes=sizes_G, **tiles_for(TRANSPOSED, lhs_MK.shape[1], d_out_MN.shape[1]))
 

@@ -83,6 +83,27 @@ def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
   assert "kernel_reference falls back to xla: k=33 is odd" in caplog.text
 
 
+def test_kernels_traced_for_a_gpu_mesh_elsewhere_see_its_sm_count(monkeypatch):
+  """Compiling for GPUs this process lacks (a compile-only topology), the weight-gradient kernel's grid must come
+  from the mesh's GPUs (132 SMs), not from this process's first device; nothing changes outside the kernel's trace
+  or where this process's device is itself the GPU."""
+  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
+  devices = jax.devices
+  h200 = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform="gpu", num_cores=132))
+  monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: h200)
+  with mg._sm_count_of_target():
+    first = jax.devices()[0]
+    assert first.core_count == (devices()[0].core_count if devices()[0].platform == "gpu" else 132)
+    assert first.platform == devices()[0].platform and len(jax.devices()) == len(devices())
+  assert jax.devices is devices
+  with pytest.raises(RuntimeError), mg._sm_count_of_target():
+    raise RuntimeError
+  assert jax.devices is devices
+  monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: types.SimpleNamespace(abstract_device=None))
+  with mg._sm_count_of_target():
+    assert jax.devices is devices
+
+
 def test_backend_selection():
   assert gm.resolve_backend("auto") == ("mosaic_gpu" if gm._hopper(jax.devices()[0]) else "xla")
 
