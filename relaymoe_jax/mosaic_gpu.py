@@ -95,7 +95,8 @@ class _WithCores:
 def _sm_count_of_target():
   """`transposed_ragged_dot` sizes its persistent grid from `jax.devices()[0].core_count`. Compiling for GPUs this
   process does not have (a compile-only topology), that device is this process's CPU: while the kernel traces, it
-  reports the SMs of the mesh's GPUs instead (the only change; tracing is single-threaded)."""
+  reports the SMs of the mesh's GPUs instead (nothing else changes; not thread-safe: another thread asking
+  `jax.devices()` meanwhile would see the same)."""
   devices, target = jax.devices, jax.sharding.get_abstract_mesh().abstract_device
   if devices()[0].platform == "gpu" or getattr(target, "platform", None) != "gpu":
     yield
