@@ -271,8 +271,9 @@ def merge(paths, out):
     earlier = settings.get(setting["name"], {})
     settings[setting["name"]] = {**earlier, **setting,
                                  "variants": {**earlier.get("variants", {}), **setting["variants"]}}
-  data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths),
-              settings=list(settings.values()), merged_from=[r["command"] for r in runs])
+  ordered = sorted(settings.values(), key=lambda s: bool(s.get("topology")))  # real GPUs first, then compile-only
+  data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths), settings=ordered,
+              merged_from=[r["command"] for r in runs])
   data["loss_head"] = next((r["loss_head"] for r in reversed(runs) if r.get("loss_head")), None)
   write(data, out)
 

@@ -257,21 +257,24 @@ def test_capacity_confirming_step_runs_the_plan_with_its_chunk_cap():
 
 def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
   from benchmarks import capacity  # noqa: PLC0415
-  def run(name, seq_len, path, variants=("ring", "a2a_dropless"), note=None):
+  def run(name, seq_len, path, variants=("ring", "a2a_dropless"), note=None, topology=None):
     found = dict(ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True))
     data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants={
-        v: found[v] for v in variants}, **({"note": note} if note else {}))])
+        v: found[v] for v in variants}, **({"note": note} if note else {}), **({"topology": topology} if topology
+                                                                                else {}))])
     path.write_text(json.dumps(data))
     return str(path)
 
-  paths = [run("a", 1024, tmp_path / "1.json", note="limit not run yet"), run("b", 4096, tmp_path / "2.json"),
+  paths = [run("t", 8192, tmp_path / "0.json", topology="1x1x8"),
+           run("a", 1024, tmp_path / "1.json", note="limit not run yet"), run("b", 4096, tmp_path / "2.json"),
            run("a", 2048, tmp_path / "3.json", variants=("ring",), note="limit trained")]
   capacity.merge(paths, str(tmp_path / "merged.json"))
   merged = json.loads((tmp_path / "merged.json").read_text())
-  assert [(s["name"], s["variants"]["ring"]["plan"]["seq_len"]) for s in merged["settings"]] == [("a", 2048), ("b", 4096)]
+  assert [(s["name"], s["variants"]["ring"]["plan"]["seq_len"]) for s in merged["settings"]] == [
+      ("a", 2048), ("b", 4096), ("t", 8192)]  # real GPUs first, then compile-only
   assert merged["settings"][0]["variants"]["a2a_dropless"]["plan"]["seq_len"] == 512  # kept from the first run
   assert merged["settings"][0]["note"] == "limit trained"  # the later run's word on the setting
-  assert merged["merged_from"] == ["run 1024", "run 4096", "run 2048"]
+  assert merged["merged_from"] == ["run 8192", "run 1024", "run 4096", "run 2048"]
   assert (tmp_path / "merged.txt").read_text().splitlines()[-1].startswith("summary: capacity model=qwen3_30b gpus=1 "
                                                                            "ring_max_seq=4096 a2a_max_seq=2048")
 
