@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import chunk_group_sizes, sorted_pair_weights, unsort_pair_values
+from relaymoe_jax.pair_plan import chunk_group_sizes, sorted_pair_weights
 
 # A chunk of at least this many rows per token adds its rows to their tokens by a gather: each token reads its K
 # sorted positions and sums the rows that are in the chunk (the rest all read row 0, which stays cached), in
@@ -37,13 +37,20 @@ class TokenSide(NamedTuple):
   pos_TK: jax.Array | None = None
 
 
-def token_side(x_TD, plan, w_TK, chunk_rows):
-  """This device's token half for hops walked in chunks of `chunk_rows`."""
-  num_pairs = plan.order_P.shape[0]
-  pos_TK = None
-  if any(adds_by_gather(rows, x_TD.shape[0]) for rows in chunk_rows):
-    pos_TK = unsort_pair_values(plan, jnp.arange(num_pairs, dtype=jnp.int32), w_TK.shape)
-  return TokenSide(x_TD, plan.tokens(w_TK.shape[1]), sorted_pair_weights(plan, w_TK), pos_TK)
+def token_side(x_TD, plan, w_TK, chunk_rows=()):
+  """This device's token half, for hops walked in chunks of `chunk_rows` (see `with_token_positions`)."""
+  tokens = TokenSide(x_TD, plan.tokens(w_TK.shape[1]), sorted_pair_weights(plan, w_TK))
+  return with_token_positions(tokens, chunk_rows, w_TK.shape[1])
+
+
+def with_token_positions(tokens, chunk_rows, top_k):
+  """`tokens` with `pos_TK` where a chunk of `chunk_rows` adds its rows by gather. Found from the pairs' token ids
+  alone (a stable sort groups each token's K positions), so a token partition that travels need not carry them."""
+  num_tokens = tokens.x_TD.shape[0]
+  if not any(adds_by_gather(rows, num_tokens) for rows in chunk_rows):
+    return tokens
+  pos_TK = jnp.argsort(tokens.tok_P, stable=True).astype(jnp.int32).reshape(num_tokens, top_k)
+  return tokens._replace(pos_TK=pos_TK)
 
 
 class PairGrads(NamedTuple):

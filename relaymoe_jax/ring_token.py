@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.grouped_matmul import fuse_gate_up
-from relaymoe_jax.hop import TokenSide, backward_pairs, forward_pairs, token_side, zero_pair_grads
+from relaymoe_jax.hop import (TokenSide, backward_pairs, forward_pairs, token_side, with_token_positions,
+                              zero_pair_grads)
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range
 from relaymoe_jax.ring import backward_outputs, make_ring_spec, ring_relay, ring_vjp
@@ -51,11 +52,12 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 
   def hop(state, _partition, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
-    partial, _ = forward_pairs(visiting.tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
+    tokens = with_token_positions(visiting.tokens, spec.chunk_rows, spec.top_k)  # not sent: found on arrival
+    partial, _ = forward_pairs(tokens, _local_range(spec, visiting.counts_E), weights, zeros_TD,
                                static_chunks=spec.static_chunks, **spec.chunk_options)
     return state, partial
 
-  own = _Partition(token_side(x_TD, plan, w_TK, spec.chunk_rows), plan.counts_E)
+  own = _Partition(token_side(x_TD, plan, w_TK), plan.counts_E)
   _, acc_TD = ring_relay(hop, (), own, axis=layout.expert_axis, n=layout.ring_size, to_relay=_identity)
   return layout.sum_tensor_partials(acc_TD).astype(x_TD.dtype), plan.order_P, plan.counts_E
 
@@ -67,11 +69,12 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
 
   def hop(dW, _partition, visiting):
     grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
-    grads, dW = backward_pairs(visiting.tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
+    tokens = with_token_positions(visiting.tokens, spec.chunk_rows, spec.top_k)
+    grads, dW = backward_pairs(tokens, visiting.dy_TD, _local_range(spec, visiting.counts_E), weights,
                                grads, dW, vary_axes=layout.compute_axes, **spec.chunk_options)
     return dW, grads
 
-  own = _Partition(token_side(x_TD, plan, w_TK, spec.chunk_rows), counts_E, dy_TD)
+  own = _Partition(token_side(x_TD, plan, w_TK), counts_E, dy_TD)
   dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
   (dw_gate_up, dw_down), grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size,
                                             to_relay=_identity)
