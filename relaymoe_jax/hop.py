@@ -18,7 +18,7 @@ from relaymoe_jax.pair_plan import chunk_group_sizes, sorted_pair_weights
 # sorted positions and sums the rows that are in the chunk (the rest all read row 0, which stays cached), in
 # float32, with no atomics. Smaller chunks scatter-add their rows, since the gather costs a pass over all T·K
 # positions and the [T, D] accumulator whatever the chunk's size. On one H200 (Qwen3-30B layer, 65536 tokens,
-# moe_layer_runs/20_*) the ring of one's two scatter-adds took 6.8 ms a step and their gathers ~1.1; a ladder of
+# moe_layer_runs/20_*) the ring of one's two scatter-adds took 6.8 ms a step and their gathers 1.3; a ladder of
 # 4·T-row chunks (an EP 2 hop's) ran 3.6 ms faster by gather, one of 2·T rows 2.7 ms.
 GATHER_MIN_ROWS_PER_TOKEN = 2
 
