@@ -1,8 +1,28 @@
 """RelayMoE in JAX: ring-based expert-parallel MoE layers with gradient relay.
 
-Shape letters used in names: B batch, S sequence, T tokens, D model width, F expert FFN width, E experts (global),
-L experts per ring partition (E / N), K top-k, R rows of one hop chunk, P token–expert pairs (T·K),
-N ring size, M rows of a grouped-matmul buffer, C slots per destination (all-to-all).
+Shape letters, one legend for the whole project (a name ends in its array's dims, x_TD is [T, D]; other modules
+point here):
+  B     batch
+  S     sequence positions
+  T     tokens (on this device inside shard_map)
+  D     model width
+  F     a SwiGLU's FFN width (an expert's, the dense MLP's, the shared expert's)
+  U     fused gate|up width (2F)
+  E     experts (global)
+  L     experts per ring partition (also the groups of a grouped matmul)
+  K     top-k
+  P     token–expert pairs (T·K)
+  R     rows of one chunk (a hop's pairs; the loss head's positions)
+  N     ring size
+  M     rows of a grouped-matmul operand
+  I / O a grouped matmul's contraction (input) and output widths
+  C     slots per destination (all-to-all)
+  V     vocabulary
+  H     attention width (query heads × head_dim)
+  G     key/value width (kv heads × head_dim)
+  Q     query heads
+  J     key/value heads
+  Z     head_dim
 
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
     y_TD = moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh, dispatcher="ring_expert")

@@ -6,7 +6,8 @@ counts, runs the grouped matmul on everything it received (regrouped by local ex
 back and un-permutes them with the router weights. The transport is `lax.all_to_all` over padded slots (on H200
 `ragged_all_to_all` moved 2.7 GB/s against ~200 GB/s, and XLA:CPU lacks it). Dropless sizes the slots for the worst
 case, C = T·min(K, L); a capacity factor c sizes them C = ceil(c·T·K/N) and drops the pairs that do not fit, as
-GShard and Megatron do. Differentiated by plain autodiff, as production JAX code is.
+GShard and Megatron do. Differentiated by plain autodiff, as production JAX code is. Shape letters: see
+relaymoe_jax.
 """
 
 import dataclasses

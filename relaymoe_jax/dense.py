@@ -1,7 +1,7 @@
 """Dense float32 oracle: every expert applied to every token, masked by the routing. No communication.
 
 The reference each dispatcher is tested against; it gathers everything to every device, so it is for checking,
-not for training.
+not for training. Shape letters: see relaymoe_jax.
 """
 
 import dataclasses

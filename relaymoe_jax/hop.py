@@ -1,8 +1,8 @@
 """One hop's computation, shared by both rings: the pairs of one token partition whose experts are in one weight
-partition, walked in chunks whose sizes come from a ladder (`for_each_chunk`). No communication.
+partition, walked in chunks whose sizes come from a ladder (`chunks.for_each_chunk`). No communication.
 
 A hop's pairs are a contiguous range [start, start + count) of an expert-sorted pair list (see `pair_plan`).
-The chunk count is data-dependent (`while_loop`s), so any routing skew is computed with no drops and no padding.
+Shape letters: see relaymoe_jax.
 """
 
 from typing import NamedTuple
@@ -10,16 +10,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.chunks import chunk_at, for_each_chunk, level_runs
 from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
-from relaymoe_jax.pair_plan import chunk_group_sizes, sorted_pair_weights
+from relaymoe_jax.pair_plan import sorted_pair_weights
 
 # A chunk of at least this many rows per token adds its rows to their tokens by a gather: each token reads its K
 # sorted positions and sums the rows that are in the chunk (the rest all read row 0, which stays cached), in
 # float32, with no atomics. Smaller chunks scatter-add their rows, since the gather costs a pass over all T·K
 # positions and the [T, D] accumulator whatever the chunk's size. On one H200 (Qwen3-30B layer, 65536 tokens,
-# moe_layer_runs/20_*) the ring of one's two scatter-adds took 6.8 ms a step and their gathers 1.3; a ladder of
-# 4·T-row chunks (an EP 2 hop's) ran 3.6 ms faster by gather, one of 2·T rows 2.7 ms.
+# `moe_layer` run 20 in benchmarks/results/RUNS.md) the ring of one's two scatter-adds took 6.8 ms a step and their
+# gathers 1.3; a ladder of 4·T-row chunks (an EP 2 hop's) ran 3.6 ms faster by gather, one of 2·T rows 2.7 ms.
 GATHER_MIN_ROWS_PER_TOKEN = 2
 
 
@@ -66,22 +67,6 @@ def zero_pair_grads(x_TD, num_pairs, axes, chunk_rows):
                    dw_P=varying_zeros((num_pairs + max(chunk_rows),), jnp.float32, axes))
 
 
-class _ChunkRows(NamedTuple):
-  first: jax.Array  # sorted-pair position of the chunk's first row
-  count: jax.Array  # rows before the range's end
-  pos_R: jax.Array  # sorted-pair positions, clipped into the pair list
-  valid_R: jax.Array  # False past the range's end
-  sizes_L: jax.Array  # group sizes of the valid rows
-
-
-def _chunk_at(pairs, offset, rows, num_pairs):
-  iota_R = jnp.arange(rows, dtype=jnp.int32)
-  count = jnp.clip(pairs.count - offset, 0, rows)
-  return _ChunkRows(first=pairs.start + offset, count=count,
-                    pos_R=jnp.minimum(pairs.start + offset + iota_R, num_pairs - 1), valid_R=iota_R < count,
-                    sizes_L=chunk_group_sizes(pairs.sizes_L, offset, rows))
-
-
 def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
   """acc_TD (float32) += each row of the chunk before the range's end (times its router weight if `weighted`) at
   its token: by gather where the chunk is large (see `GATHER_MIN_ROWS_PER_TOKEN`), else by scatter-add."""
@@ -97,68 +82,36 @@ def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
   return acc_TD + jnp.sum(jnp.where(in_TK[..., None], v_TKD, 0.0), axis=1)
 
 
-def _level_runs(chunk_rows, level, offset, count):
-  """Whether a chunk of the ladder's `level` runs next at `offset`: full chunks of a size while at least that many
-  pairs remain, the last size until the range is done."""
-  if level == len(chunk_rows) - 1:
-    return offset < count
-  return count - offset >= chunk_rows[level]
-
-
-def for_each_chunk(pairs, chunk_rows, num_pairs, body, carry, static_chunks=None, offset=0):
-  """carry = body(rows, carry) over the range `pairs` from `offset`, in chunks whose sizes come from the ladder
-  `chunk_rows`.
-
-  `chunk_rows` is a descending tuple of row counts: full chunks of the first size while at least that many pairs
-  remain, then of the next, and the last size until the range is done. A grouped kernel costs its static row count
-  whatever the range's count, so the ladder bounds the tail's waste by the last size while most rows still go
-  through the first. A while loop cannot be reverse-differentiated; `static_chunks` runs a fixed count of the first
-  size instead (autodiff ablation).
-  """
-
-  def step(rows, offset, carry):
-    return offset + rows, body(_chunk_at(pairs, offset, rows, num_pairs), carry)
-
-  if static_chunks is not None:
-    return jax.lax.fori_loop(0, static_chunks, lambda c, carry: step(chunk_rows[0], c * chunk_rows[0], carry)[1],
-                             carry)
-  offset = jnp.int32(offset)
-  for level, rows in enumerate(chunk_rows):
-    more = lambda s, level=level: _level_runs(chunk_rows, level, s[0], pairs.count)  # noqa: E731
-    offset, carry = jax.lax.while_loop(more, lambda s, rows=rows: step(rows, *s), (offset, carry))
-  return carry
-
-
-def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PG=None):
+def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PU=None):
   """acc_TD (float32) += Σ over the range's pairs of w · SwiGLU_expert(x).
 
-  `gate_up_PG`: a [P, 2F] buffer of x·[gate | up] in sorted-pair order that the range's pairs are also written
-  into, for a backward that keeps them (None: not kept).
+  `gate_up_PU`: a [P, U] buffer of x·[gate | up] in sorted-pair order that the range's pairs are also written into,
+  for a backward that keeps them (None: not kept).
 
   Returns:
-    (acc_TD, gate_up_PG).
+    (acc_TD, gate_up_PU).
   """
 
   def chunk(rows, carry):
-    acc_TD, kept_PG = carry
+    acc_TD, kept_PU = carry
     x_RD = tokens.x_TD[tokens.tok_P[rows.pos_R]]
-    y_RD, gate_up_RG = expert_swiglu(x_RD, *weights, rows.sizes_L, backend=backend)
-    if kept_PG is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
-      to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PG.shape[0] + jnp.arange(rows.pos_R.shape[0]))
-      kept_PG = kept_PG.at[to_R].set(gate_up_RG.astype(kept_PG.dtype), mode="drop", unique_indices=True)
-    return _add_to_tokens(acc_TD, y_RD, rows, tokens, weighted=True), kept_PG
+    y_RD, gate_up_RU = expert_swiglu(x_RD, *weights, rows.sizes_L, backend=backend)
+    if kept_PU is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
+      to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PU.shape[0] + jnp.arange(rows.pos_R.shape[0]))
+      kept_PU = kept_PU.at[to_R].set(gate_up_RU.astype(kept_PU.dtype), mode="drop", unique_indices=True)
+    return _add_to_tokens(acc_TD, y_RD, rows, tokens, weighted=True), kept_PU
 
-  return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (acc_TD, gate_up_PG), static_chunks)
+  return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (acc_TD, gate_up_PU), static_chunks)
 
 
 def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, vary_axes,
-                   gate_up_PG=None):
+                   gate_up_PU=None):
   """Recomputes the range's intermediates chunk by chunk and adds the gradients: dx and d(router weight) into
   `grads`, the weights' gradients into `dW` (each chunk's added in float32 and kept in dW's dtype).
 
   `dW=None`: the range's own weight gradients, in the weights' dtype, begun from its first chunk where the range
   fills one (a balanced hop's), not from zeros: per hop, a zero fill and an add of the weights' size fewer.
-  `gate_up_PG`: the forward's x·[gate | up] (see `forward_pairs`), read instead of recomputed.
+  `gate_up_PU`: the forward's x·[gate | up] (see `forward_pairs`), read instead of recomputed.
 
   Rows and weights are first cast to varying over `vary_axes` (every axis the outputs vary over): differentiating
   a chunk with an input invariant over some axis would make JAX psum its cotangent over that axis inside this
@@ -173,10 +126,10 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     w_R = jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0)
     dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
     # Rows past the range may be another range's or never written (pairs of no expert): zeros, not garbage.
-    kept_RG = None if gate_up_PG is None else jnp.where(valid_R1, gate_up_PG[rows.pos_R], 0)
+    kept_RU = None if gate_up_PU is None else jnp.where(valid_R1, gate_up_PU[rows.pos_R], 0)
     dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
         vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes),
-        vary_like(w_R, vary_axes), backend=backend, gate_up_RG=kept_RG)
+        vary_like(w_R, vary_axes), backend=backend, gate_up_RU=kept_RU)
     # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
     # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)
@@ -193,11 +146,11 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     return for_each_chunk(pairs, chunk_rows, num_pairs, chunk, (grads, dW))
 
   def first_chunk(grads):
-    grads, dW_chunk = chunk_grads(_chunk_at(pairs, 0, chunk_rows[0], num_pairs), grads)
+    grads, dW_chunk = chunk_grads(chunk_at(pairs, 0, chunk_rows[0], num_pairs), grads)
     return jnp.int32(chunk_rows[0]), (grads, tuple(d.astype(w.dtype) for d, w in zip(dW_chunk, weights)))
 
   def from_zeros(grads):
     return jnp.int32(0), (grads, tuple(varying_zeros(w.shape, w.dtype, vary_axes) for w in weights))
 
-  offset, carry = jax.lax.cond(_level_runs(chunk_rows, 0, 0, pairs.count), first_chunk, from_zeros, grads)
+  offset, carry = jax.lax.cond(level_runs(chunk_rows, 0, 0, pairs.count), first_chunk, from_zeros, grads)
   return for_each_chunk(pairs, chunk_rows, num_pairs, chunk, carry, offset=offset)

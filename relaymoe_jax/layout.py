@@ -4,7 +4,7 @@ No communication of its own. Tokens (dim 0 of x_TD, idx_TK, w_TK) are split over
 every expert weight) over `expert_axis`, which must be one of the token axes so that the ring's devices hold
 different tokens. Weights are replicated over the other token axes (data parallel), so their gradients are summed
 over those axes. An optional `tensor_axis` (expert tensor parallelism) splits F of every expert; tokens are
-replicated over it and partial outputs are summed over it.
+replicated over it and partial outputs are summed over it. Shape letters: see relaymoe_jax.
 """
 
 import dataclasses
@@ -88,11 +88,25 @@ class ExpertLayout:
     """Under expert tensor parallelism each device holds a partial sum over its slice of F."""
     return jax.lax.psum(x, self.tensor_axis) if self.tensor_axis else x
 
+  @property
+  def explicit(self):
+    return any(t == AxisType.Explicit for t in self.mesh.axis_types)
+
   def place(self, x, spec):
     """Reshards x to spec. Explicit meshes need it before shard_map; Auto meshes let shard_map do it."""
-    if any(t == AxisType.Explicit for t in self.mesh.axis_types):
+    if self.explicit:
       return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
     return x
+
+  def caller_sharding(self, x):
+    """x's sharding as its type carries it, for a result to come back with (`restore`): on an Explicit mesh where
+    x has one (not an array on no mesh); else None."""
+    sharding = jax.typeof(x).sharding
+    return sharding if self.explicit and not sharding.mesh.empty else None
+
+  def restore(self, y, sharding):
+    """y resharded to `sharding` from `caller_sharding` (None: y as it is)."""
+    return y if sharding is None else jax.sharding.reshard(y, sharding)
 
   def shard_map(self, f, in_specs, out_specs):
     return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)

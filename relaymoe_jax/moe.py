@@ -1,7 +1,8 @@
 """`moe_ffn`: the public MoE block over global sharded arrays, and the dispatcher registry.
 
 Every dispatcher computes y_TD = Σ_k w[t,k] · SwiGLU_{idx[t,k]}(x[t]); they differ only in where the pairs are
-computed and what is held (see each dispatcher's module for what moves between devices).
+computed and what is held (see each dispatcher's module for what moves between devices). Shape letters: see
+relaymoe_jax.
 """
 
 import dataclasses
@@ -109,13 +110,14 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
     expert_axis: mesh axis the experts are split over; the ring runs along it.
     token_axes: mesh axes the tokens are split over (default: all axes of the mesh but tensor_axis).
     tensor_axis: mesh axis that splits F of every expert (expert tensor parallelism), or None.
-    shared: optional Qwen2-MoE shared expert (w_gate_DS, w_up_DS, w_down_SD), computed locally outside the ring
+    shared: optional Qwen2-MoE shared expert (w_gate_DF, w_up_DF, w_down_FD), computed locally outside the ring
       and added to the output; scaled by sigmoid(x · shared_gate_D1) when that is given.
     **options: the named dispatcher's own options, e.g. `chunk_rows=` (ring_expert), `capacity_factor=`
       (all_to_all), `backend=`.
 
   Returns:
-    y_TD in x's dtype, sharded over the token axes.
+    y_TD in x's dtype. On an Explicit mesh, sharded as x_TD came (so a residual `x + y` type-checks); on an Auto
+    mesh, over the token axes.
 
   Raises:
     ValueError: naming the bad value: shapes, dtypes, top-k, divisibility by the mesh axes, unknown dispatcher or
@@ -131,6 +133,7 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
   if shared is not None:
     _check_shared(x_TD, shared, shared_gate_D1)
   tok = layout.token_spec
+  x_sharding = layout.caller_sharding(x_TD)
   x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
   if x_TD.shape[0] == 0:
     # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
@@ -142,21 +145,21 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispa
     y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
   if shared is not None:
     y_TD = y_TD + shared_expert(x_TD, *shared, shared_gate_D1)
-  return y_TD
+  return layout.restore(y_TD, x_sharding)
 
 
-def dense_swiglu(x_TD, w_gate_DS, w_up_DS, w_down_SD):
+def dense_swiglu(x_TD, w_gate_DF, w_up_DF, w_down_FD):
   """down(silu(x·gate) · (x·up)) on every token, float32 accumulation, x's dtype out. Global arrays: XLA
   partitions it along the weights' and tokens' shardings."""
   f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(x_TD.dtype))
-  h_TS = jax.nn.silu(jnp.dot(x_TD, w_gate_DS, **f32)) * jnp.dot(x_TD, w_up_DS, **f32)
-  return jnp.dot(h_TS.astype(x_TD.dtype), w_down_SD, **f32).astype(x_TD.dtype)
+  h_TF = jax.nn.silu(jnp.dot(x_TD, w_gate_DF, **f32)) * jnp.dot(x_TD, w_up_DF, **f32)
+  return jnp.dot(h_TF.astype(x_TD.dtype), w_down_FD, **f32).astype(x_TD.dtype)
 
 
-def shared_expert(x_TD, w_gate_DS, w_up_DS, w_down_SD, gate_D1=None):
-  """The Qwen2-MoE shared expert: a SwiGLU of width S on every token, scaled by sigmoid(x · gate) if given.
-  Computed where the tokens are, outside the ring."""
-  y_TD = dense_swiglu(x_TD, w_gate_DS, w_up_DS, w_down_SD)
+def shared_expert(x_TD, w_gate_DF, w_up_DF, w_down_FD, gate_D1=None):
+  """The Qwen2-MoE shared expert: a SwiGLU of width F (its own) on every token, scaled by sigmoid(x · gate) if
+  given. Computed where the tokens are, outside the ring."""
+  y_TD = dense_swiglu(x_TD, w_gate_DF, w_up_DF, w_down_FD)
   if gate_D1 is None:
     return y_TD
   gate_T1 = jnp.dot(x_TD, gate_D1, preferred_element_type=jnp.float32, precision=matmul_precision(x_TD.dtype))
@@ -165,10 +168,10 @@ def shared_expert(x_TD, w_gate_DS, w_up_DS, w_down_SD, gate_D1=None):
 
 def _check_shared(x_TD, shared, gate_D1):
   if len(shared) != 3:
-    raise ValueError(f"shared must be (w_gate_DS, w_up_DS, w_down_SD); got {len(shared)} arrays")
+    raise ValueError(f"shared must be (w_gate_DF, w_up_DF, w_down_FD); got {len(shared)} arrays")
   d = x_TD.shape[1]
-  s = shared[0].shape[-1]
-  expected = dict(w_gate_DS=(d, s), w_up_DS=(d, s), w_down_SD=(s, d))
+  f = shared[0].shape[-1]
+  expected = dict(w_gate_DF=(d, f), w_up_DF=(d, f), w_down_FD=(f, d))
   arrays = dict(zip(expected, shared))
   if gate_D1 is not None:
     expected["shared_gate_D1"], arrays["shared_gate_D1"] = (d, 1), gate_D1

@@ -6,7 +6,7 @@ a [T·K, D] activation copy. The pairs of the L experts of one partition then fo
 An expert id outside [0, E) (which reaches here only where `moe_ffn` cannot check values: traced under `jit`)
 sorts as the sentinel E: after every partition's range and counted for no expert, so no hop, chunk or all-to-all
 slot ever reads it. Such a pair contributes nothing to the output and gets a zero router-weight gradient, as in
-the dense oracle, whose one-hot of an out-of-range id is all zeros.
+the dense oracle, whose one-hot of an out-of-range id is all zeros. Shape letters: see relaymoe_jax.
 """
 
 from typing import NamedTuple

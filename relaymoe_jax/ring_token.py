@@ -11,6 +11,7 @@ Communication, over a ring of N devices along the expert axis (device r sends to
             intermediates. Expert weight gradients accumulate where the experts live: no relay. They are then
             summed over the data-parallel token axes; under expert tensor parallelism outputs, dx and
             d(router weight) are summed over the tensor axis.
+Shape letters: see relaymoe_jax.
 """
 
 import dataclasses
@@ -24,7 +25,8 @@ from relaymoe_jax.hop import (TokenSide, backward_pairs, forward_pairs, token_si
                               zero_pair_grads)
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range
-from relaymoe_jax.ring import backward_outputs, make_ring_spec, ring_relay, ring_vjp
+from relaymoe_jax.ring import ring_relay
+from relaymoe_jax.ring_vjp import backward_outputs, make_ring_spec, ring_vjp
 
 
 class _Partition(NamedTuple):

@@ -1,6 +1,7 @@
 """Qwen3 router: softmax over all experts in float32, top-k, optional renormalisation.
 
-No communication of its own: it runs on global arrays and XLA partitions it along the token sharding.
+No communication of its own: it runs on global arrays and XLA partitions it along the token sharding. Shape
+letters: see relaymoe_jax.
 """
 
 from typing import NamedTuple

@@ -9,7 +9,7 @@ No communication of its own: the checks call `moe_ffn` on your mesh, once with y
     rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=1e-5, **inputs)
 
 Closeness is the max-norm relative error max|a − b| / max|b| of each array, not an elementwise tolerance: a
-gradient's small entries carry the absolute rounding of its large ones.
+gradient's small entries carry the absolute rounding of its large ones. Shape letters: see relaymoe_jax.
 """
 
 import functools
@@ -50,9 +50,8 @@ def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=F
   w_gate = rng.normal(size=(num_experts, d_model, d_ff)) / np.sqrt(d_model)
   w_up = rng.normal(size=(num_experts, d_model, d_ff)) / np.sqrt(d_model)
   w_down = rng.normal(size=(num_experts, d_ff, d_model)) / np.sqrt(d_ff)
-  as_dtype = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-  return dict(x_TD=as_dtype(x), idx_TK=jnp.asarray(idx), w_TK=as_dtype(w), w_gate_EDF=as_dtype(w_gate),
-              w_up_EDF=as_dtype(w_up), w_down_EFD=as_dtype(w_down))
+  arrays = dict(x_TD=x, idx_TK=idx, w_TK=w, w_gate_EDF=w_gate, w_up_EDF=w_up, w_down_EFD=w_down)
+  return {name: jnp.asarray(a, None if name == "idx_TK" else dtype) for name, a in arrays.items()}
 
 
 def relative_error(actual, expected):

@@ -1,15 +1,16 @@
 """Communication volume and resident memory of the two ring modes (RelayMoE §3.2, Table 2), from static shapes.
 
 No communication: this decides which ring `dispatcher="auto"` runs. Per device, with b bytes per element,
-L = E/N local experts, W = 3·D·F·b / ETP (one expert's SwiGLU weights on one device) and M = K·(4 + b) routing
+L = E/N local experts, w = 3·D·F·b / ETP (one expert's SwiGLU weights on one device) and m = K·(4 + b) routing
 metadata per token (an int32 token index and a router weight per pair):
 
                      per hop, forward              per hop, backward
-  expert routing     L·W                           2·L·W (weights + relayed gradient, weights' dtype)
-  token routing      T·(D·b + M) + 4E + 4·T·D      T·(2·D·b + M) + 4E + 4·T·D + 4·T·K
+  expert routing     L·w                           2·L·w (weights + relayed gradient, weights' dtype)
+  token routing      T·(D·b + m) + 4E + 4·T·D      T·(2·D·b + m) + 4E + 4·T·D + 4·T·K
                      (tokens, plan, f32 output)    (tokens, output grad, plan, f32 dx and d(router weight))
 
 T is the tokens on one device, already divided by sequence/context parallelism (the MoE block only sees those).
+Shape letters: see relaymoe_jax.
 """
 
 import dataclasses
@@ -46,6 +47,10 @@ class DispatchPlan:
     return dataclasses.asdict(self)
 
 
+def _mib(volume):
+  return f"{volume.bytes_per_hop / 2**20:.2f} MiB"
+
+
 def plan_dispatch(*, tokens_per_device, d_model, d_ff, num_experts, top_k, ring_size, dtype="bfloat16",
                   expert_tensor_parallel=1):
   """Both modes' volumes for one MoE layer on one device, and the mode with fewer bytes per hop."""
@@ -53,7 +58,7 @@ def plan_dispatch(*, tokens_per_device, d_model, d_ff, num_experts, top_k, ring_
     raise ValueError(f"E={num_experts} experts is not divisible by the ring size {ring_size}")
   b = jnp.dtype(dtype).itemsize
   t, d, k, e = tokens_per_device, d_model, top_k, num_experts
-  local_weights = (e // ring_size) * 3 * d * d_ff * b // expert_tensor_parallel  # L·W
+  local_weights = (e // ring_size) * 3 * d * d_ff * b // expert_tensor_parallel  # L·w
   expert = ModeVolume(
       forward_bytes_per_hop=local_weights,
       backward_bytes_per_hop=2 * local_weights,
@@ -70,9 +75,8 @@ def plan_dispatch(*, tokens_per_device, d_model, d_ff, num_experts, top_k, ring_
       backward_resident_bytes=local_weights + local_weights * 4 // b + 2 * token_bwd + 4 * t * (d + k),
   )
   mode = EXPERT_MODE if expert.bytes_per_hop <= token.bytes_per_hop else TOKEN_MODE
-  mib = lambda v: f"{v.bytes_per_hop / 2**20:.2f} MiB"  # noqa: E731
-  reason = (f"{mode}: {mib(expert if mode == EXPERT_MODE else token)} per hop (forward + backward) against "
-            f"{mib(token if mode == EXPERT_MODE else expert)} for "
+  reason = (f"{mode}: {_mib(expert if mode == EXPERT_MODE else token)} per hop (forward + backward) against "
+            f"{_mib(token if mode == EXPERT_MODE else expert)} for "
             f"{TOKEN_MODE if mode == EXPERT_MODE else EXPERT_MODE} (T={t}, D={d}, F={d_ff}, E={e}, K={k}, "
             f"N={ring_size}, ETP={expert_tensor_parallel}, {jnp.dtype(dtype).name})")
   return DispatchPlan(mode=mode, expert_routing=expert, token_routing=token, reason=reason)

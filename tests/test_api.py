@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
+from relaymoe_jax.chunks import chunk_ladder, default_chunk_rows
 from test_equivalence import DATA_EXPERT, F32_RTOL
 
 ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
@@ -22,7 +23,21 @@ def test_explicit_mesh_under_set_mesh():
     layer = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in layer.items()}
     y, _ = rmt.values_and_grads(layer, mesh=mesh, dispatcher="ring_expert")
     rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=F32_RTOL, **layer)
-  assert tuple(y.sharding.spec)[0] == DATA_EXPERT
+  assert not any(y.sharding.spec), y.sharding  # as x came, replicated (the ring itself ran split over the token axes)
+
+
+def test_explicit_mesh_output_sharded_as_x_for_a_residual_add():
+  """On an Explicit mesh y comes back with x's own sharding (here over 'data' only, not every token axis), so the
+  residual `x + moe_ffn(x, ...)` type-checks under jit."""
+  mesh = mesh_of((2, 4), DATA_EXPERT, explicit=True)
+  layer = random_layer(4, 64, 16, 24, 16, 4)
+  with jax.set_mesh(mesh):
+    x_TD = jax.device_put(layer["x_TD"], NamedSharding(mesh, P(rm.DATA)))
+    residual = jax.jit(lambda x, *rest: x + rm.moe_ffn(x, *rest, mesh=mesh, dispatcher="ring_expert"))
+    out = residual(x_TD, *(layer[a] for a in ARGS[1:]))
+    rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=F32_RTOL, **dict(layer, x_TD=x_TD))
+  assert tuple(out.sharding.spec) == (rm.DATA, None)
+  assert_close(out, layer["x_TD"] + rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "x + y")
 
 
 def test_auto_mesh_eager_call_and_resharded_inputs():
@@ -68,7 +83,6 @@ def test_route_then_moe_inside_callers_jit_gradients_reach_router():
 
 
 def test_default_chunk_ladder():
-  from relaymoe_jax.ring import chunk_ladder, default_chunk_rows
   # Qwen3-30B at EP 2: share 262144 rows; the first size is 31/32 of it, then 1/4 and 1/16 of that for the tail.
   assert default_chunk_rows(65536, 8, 2) == (253952, 63488, 15872)
   assert default_chunk_rows(64, 2, 8) == (128,)  # small shares: one size, the share rounded up to 128

@@ -14,12 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
 from relaymoe_jax import hop
-from relaymoe_jax.ring import make_ring_spec
+from relaymoe_jax.layout import varying_zeros
+from relaymoe_jax.ring import ring_relay, ring_relay_homeward
+from relaymoe_jax.ring_vjp import make_ring_spec
 
 F32_RTOL = 1e-5
 BF16_RTOL = 3e-2
@@ -134,7 +137,7 @@ def _scatters_into_tokens(dispatcher, ring, **options):
 
 def test_a_ring_of_one_adds_rows_to_tokens_by_gather():
   """A ring of one walks its T·K pairs as one chunk: each token sums its K rows (no float32 scatter-add, whose
-  atomics were 6.8 of 15.3 ms of non-matmul kernels on one H200, moe_layer_runs/20_*); small chunks still scatter."""
+  atomics were 6.8 of 15.3 ms of non-matmul kernels on one H200, `moe_layer` run 20); small chunks still scatter."""
   assert not _scatters_into_tokens("ring_expert", 1)
   assert _scatters_into_tokens("ring_expert", 2, chunk_rows=(64, 16))
 
@@ -155,6 +158,45 @@ def test_home_send_backward_on_a_ring_of_two_matches_oracle(skew):
   assert_matches_oracle(layer, mesh_of((2,), E_ONLY), F32_RTOL, "ring_expert", reverse_backward=False)
 
 
+def _relay_on_ring(n, homeward):
+  """Each device's result of a relay whose hop records the partition it is at (state: their base-N digits, in hop
+  order) and contributes (payload × (r + 1), 1 if the payload is the partition's): payload r + 1 on device r."""
+
+  def per_device(_):
+    r = jax.lax.axis_index(rm.EXPERT)
+
+    def compute(order_1, partition, payload_1):
+      partial = (payload_1.astype(jnp.float32) * (r + 1), (payload_1 == partition + 1).astype(jnp.float32))
+      return order_1 * n + partition, partial
+
+    order0_1 = varying_zeros((1,), jnp.int32, (rm.EXPERT,))
+    own_1 = varying_zeros((1,), jnp.int32, (rm.EXPERT,)) + r + 1
+    relay = dict(axis=rm.EXPERT, n=n, to_relay=lambda a: a)
+    if homeward:  # from device r + 1's payload, what `ring_pass` ends with
+      order_1, (acc_1, seen_1) = ring_relay_homeward(compute, order0_1, (own_1 % n) + 1, home=own_1, **relay)
+    else:
+      order_1, (acc_1, seen_1) = ring_relay(compute, order0_1, own_1, **relay)
+    return order_1, acc_1, seen_1
+
+  spec = P(rm.EXPERT)
+  f = jax.shard_map(per_device, mesh=mesh_of((n,), E_ONLY), in_specs=spec, out_specs=(spec, spec, spec))
+  return [np.asarray(a) for a in jax.jit(f)(jnp.zeros(n))]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("homeward", [False, True], ids=["ring_relay", "ring_relay_homeward"])
+def test_relay_schedules_visit_every_partition_and_bring_its_sum_home(n, homeward):
+  """Device r visits partitions (r − h) mod N (`ring_relay`) or (r + 1 + h) mod N (`ring_relay_homeward`, what
+  `ring_relay(..., home=)` was) at hop h, each with that partition's payload, and ends holding the sum over all N
+  devices of its own partition's partials."""
+  order, acc, seen = _relay_on_ring(n, homeward)
+  for r in range(n):
+    visits = [((r + 1 + h) if homeward else (r - h)) % n for h in range(n)]
+    assert order[r] == sum(p * n ** (n - 1 - h) for h, p in enumerate(visits)), (r, order[r], visits)
+  np.testing.assert_array_equal(acc, (np.arange(n) + 1) * n * (n + 1) / 2)
+  np.testing.assert_array_equal(seen, np.full(n, n))
+
+
 def test_reverse_backward_default_is_on_for_a_ring_of_two_only():
   assert [rm.RingExpert().reverses_backward(n) for n in (1, 2, 3, 8)] == [False, True, False, False]
   assert rm.RingExpert(reverse_backward=True).reverses_backward(8)
@@ -170,8 +212,9 @@ def test_reverse_backward_sends_no_weights_on_a_ring_of_two():
   mesh = mesh_of((2,), E_ONLY)
 
   def sends(**options):
-    loss = lambda *a: jnp.sum(rm.moe_ffn(a[0], layer["idx_TK"], *a[1:], mesh=mesh, dispatcher="ring_expert",  # noqa: E731
-                                         **options) ** 2)
+    def loss(x_TD, *diff):
+      return jnp.sum(rm.moe_ffn(x_TD, layer["idx_TK"], *diff, mesh=mesh, dispatcher="ring_expert", **options) ** 2)
+
     step = jax.jit(jax.grad(loss, argnums=range(5)))
     hlo = step.lower(*(layer[a] for a in DIFF_ARGS)).compile().as_text()
     return len(re.findall(r"collective-permute(-start)?\(", hlo))  # GPUs compile the sends as async pairs
@@ -265,11 +308,13 @@ def test_jitted_ring_traces_once_for_any_routing():
   @jax.jit
   @chex.assert_max_traces(n=1)
   def grads(x_TD, idx_TK, *diff):
-    loss = lambda x, w, *weights: jnp.sum(  # noqa: E731
-        rm.moe_ffn(x, idx_TK, w, *weights, mesh=mesh, dispatcher="ring_expert") ** 2)
+    def loss(x, w, *weights):
+      return jnp.sum(rm.moe_ffn(x, idx_TK, w, *weights, mesh=mesh, dispatcher="ring_expert") ** 2)
+
     return jax.grad(loss, argnums=range(5))(x_TD, *diff)
 
-  args = lambda layer: [layer[a] for a in ("x_TD", "idx_TK", *DIFF_ARGS[1:])]  # noqa: E731
+  def args(layer):
+    return [layer[a] for a in ("x_TD", "idx_TK", *DIFF_ARGS[1:])]
   uniform, skewed = (args(random_layer(5, TOKENS, D_MODEL, D_FF, 16, 2, skew=skew)) for skew in (False, True))
   g_uniform, g_skewed = grads(*uniform), grads(*skewed)
   chex.assert_tree_all_finite((g_uniform, g_skewed))

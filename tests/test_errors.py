@@ -111,7 +111,7 @@ def test_bad_tensor_parallel_input_is_named(changes, kwargs, message):
 def test_bad_shared_expert_is_named():
   layer = _with()
   shared = (jnp.ones((8, 4)), jnp.ones((8, 4)), jnp.ones((8, 4)))
-  with pytest.raises(ValueError, match="w_down_SD"):
+  with pytest.raises(ValueError, match="w_down_FD"):
     _call(layer, mesh_of((4,), (rm.EXPERT,)), shared=shared)
   with pytest.raises(ValueError, match="shared_gate_D1"):
     _call(layer, mesh_of((4,), (rm.EXPERT,)), shared=shared[:2] + (jnp.ones((4, 8)),),

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import relaymoe_jax as rm
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import grouped_matmul as gm
+from relaymoe_jax import grouped_kernels as gk, grouped_matmul as gm, mosaic_gpu as mg
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 GROUPS = {
@@ -24,10 +24,12 @@ GROUPS = {
 }
 
 
-def _operands(seed, m=96, k=32, n=48, g=8, dtype=jnp.float32):
+def _operands(seed, m=96, i=32, o=48, groups=8, dtype=jnp.float32):
+  """lhs_MI, rhs_LIO (L = groups) and a cotangent c_MO."""
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.normal(size=(m, k)), dtype), jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), dtype),
-          jnp.asarray(rng.normal(size=(m, n)), jnp.float32))
+  return (jnp.asarray(rng.normal(size=(m, i)), dtype),
+          jnp.asarray(rng.normal(size=(groups, i, o)) / np.sqrt(i), dtype),
+          jnp.asarray(rng.normal(size=(m, o)), jnp.float32))
 
 
 def _loss_and_grads(gmm, lhs, rhs, sizes, c):
@@ -76,18 +78,17 @@ def test_kernel_vjp_inside_shard_map_keeps_varying_types():
 
 
 def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
-  lhs, rhs, c = _operands(3, k=33)  # the reference kernels refuse odd K
-  gm._log_fallback.cache_clear()
-  with caplog.at_level(logging.WARNING, logger=gm.__name__):
+  lhs, rhs, c = _operands(3, i=33)  # the reference kernels refuse an odd contraction width
+  gk.log_fallback.cache_clear()
+  with caplog.at_level(logging.WARNING, logger=gk.__name__):
     _check_against_xla("kernel_reference", lhs, rhs, jnp.asarray(GROUPS["random"], jnp.int32), c, 1e-6)
-  assert "kernel_reference falls back to xla: k=33 is odd" in caplog.text
+  assert "kernel_reference falls back to xla: I=33 is odd" in caplog.text
 
 
 def test_kernels_traced_for_a_gpu_mesh_elsewhere_see_its_sm_count(monkeypatch):
   """Compiling for GPUs this process lacks (a compile-only topology), the weight-gradient kernel's grid must come
   from the mesh's GPUs (132 SMs), not from this process's first device; nothing changes outside the kernel's trace
   or where this process's device is itself the GPU."""
-  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
   devices = jax.devices
   h200 = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform="gpu", num_cores=132))
   monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: h200)
@@ -148,7 +149,7 @@ def test_mosaic_gpu_matches_ragged_dot_on_hopper(groups):
   g = len(GROUPS[groups])
   scale = 1024 // 96
   sizes = jnp.asarray([s * scale for s in GROUPS[groups]], jnp.int32)
-  lhs, rhs, c = _operands(4, m=1024, k=256, n=384, g=g, dtype=jnp.bfloat16)
+  lhs, rhs, c = _operands(4, m=1024, i=256, o=384, groups=g, dtype=jnp.bfloat16)
   out_ref, (dl_ref, dr_ref) = _loss_and_grads(gm.get_backend("xla"), lhs.astype(jnp.float32),
                                               rhs.astype(jnp.float32), sizes, c)
   out, (dl, dr) = _loss_and_grads(gm.get_backend("mosaic_gpu"), lhs, rhs, sizes, c)
