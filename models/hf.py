@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of Qwen3-MoE (`qwen3_moe`) and Qwen2-MoE (`qwen2_moe`): config, import and export.
+"""Hugging Face checkpoints of Qwen3-MoE (`qwen3_moe`) and Qwen2-MoE (`qwen2_moe`): import and export of the
+tensors (`config.json`: `models.hf_config`; reading safetensors: `models.safetensors_io`).
 
 Import reads a local directory (`config.json` and `*.safetensors`, with or without `model.safetensors.index.json`)
 straight into the sharded layout: the model is built abstractly (`nnx.eval_shape`) for every parameter's shape and
@@ -18,120 +19,16 @@ import os
 import pathlib
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models import qwen3
-from models.config import from_mapping
+from models.hf_config import config_from_hf, config_to_hf
+from models.qwen3_config import RuntimeConfig, layer_groups
+from models.safetensors_io import INDEX_FILE, Checkpoint
 
-FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-INDEX_FILE = "model.safetensors.index.json"
-# Hugging Face config defaults where a config.json leaves a key out (both families share them).
-_HF_DEFAULTS = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, tie_word_embeddings=False,
-                    rms_norm_eps=1e-6, rope_theta=10000.0, router_aux_loss_coef=0.001, initializer_range=0.02)
-_REQUIRED_BOTH = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_experts_per_tok")
-_REQUIRED = {"qwen3_moe": _REQUIRED_BOTH, "qwen2_moe": _REQUIRED_BOTH + ("shared_expert_intermediate_size",)}
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                       "BOOL": np.bool_}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Config
-
-
-def config_from_hf(hf_dir, **overrides) -> qwen3.Qwen3MoEConfig:
-  """Our config from a Hugging Face `config.json` (model_type qwen3_moe or qwen2_moe), `overrides` on top.
-
-  Args:
-    hf_dir: a directory holding `config.json`.
-    **overrides: any `Qwen3MoEConfig` field (dispatcher, dtype, scan_layers, remat, ...), applied last.
-
-  Raises:
-    ValueError: an unknown model_type (named), a feature the model does not have (sliding window, RoPE scaling,
-      an activation other than SiLU, Qwen3 attention biases, which include o_proj's), or a bad override.
-  """
-  path = pathlib.Path(hf_dir) / "config.json"
-  hf = json.loads(path.read_text())
-  model_type = hf.get("model_type")
-  if model_type not in FAMILIES:
-    raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
-  _check_supported(hf, path)
-  get = lambda key: hf[key] if hf.get(key) is not None else _HF_DEFAULTS[key]  # noqa: E731
-  missing = [k for k in _REQUIRED[model_type] if hf.get(k) is None]
-  if hf.get("num_experts", hf.get("num_local_experts")) is None:
-    missing.append("num_experts")
-  if missing:
-    raise ValueError(f"{path}: missing key(s) {missing}")
-  heads = hf["num_attention_heads"]
-  fields = dict(
-      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-      moe_intermediate_size=hf["moe_intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-      num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # transformers 5 writes num_local_experts
-      num_experts_per_tok=hf["num_experts_per_tok"], norm_topk_prob=get("norm_topk_prob"),
-      rms_norm_eps=get("rms_norm_eps"), rope_theta=_rope_theta(hf), decoder_sparse_step=get("decoder_sparse_step"),
-      mlp_only_layers=list(get("mlp_only_layers")), tie_word_embeddings=get("tie_word_embeddings"),
-      router_aux_loss_coef=get("router_aux_loss_coef"), initializer_range=get("initializer_range"))
-  if model_type == "qwen2_moe":
-    fields.update(attention_bias=hf.get("qkv_bias", True), qk_norm=False,
-                  shared_expert_intermediate_size=hf["shared_expert_intermediate_size"])
-  return from_mapping(qwen3.Qwen3MoEConfig, dict(fields, **overrides), f"Hugging Face config {path}")
-
-
-def _check_supported(hf, path):
-  if hf.get("use_sliding_window"):
-    raise ValueError(f"{path}: use_sliding_window=true is not supported (full causal attention only)")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not supported (SiLU only)")
-  if hf["model_type"] == "qwen3_moe" and hf.get("attention_bias"):
-    raise ValueError(f"{path}: attention_bias=true is not supported for qwen3_moe (it adds an o_proj bias)")
-  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind != "default":
-    raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported (default RoPE only)")
-
-
-def _rope_theta(hf):
-  """rope_theta at the top level (transformers 4) or inside rope_parameters (transformers 5)."""
-  if hf.get("rope_theta") is not None:
-    return hf["rope_theta"]
-  return (hf.get("rope_parameters") or {}).get("rope_theta", _HF_DEFAULTS["rope_theta"])
-
-
-def config_to_hf(config) -> dict:
-  """The `config.json` of a Hugging Face checkpoint of `config`: qwen2_moe where it has a shared expert and no
-  q/k norm, qwen3_moe where it has q/k norm and neither a shared expert nor biases; anything else raises."""
-  c = config
-  qwen2 = not c.qk_norm and c.shared_expert_intermediate_size > 0
-  qwen3_ = c.qk_norm and not c.shared_expert_intermediate_size and not c.attention_bias
-  if not (qwen2 or qwen3_):
-    raise ValueError(f"no Hugging Face family holds qk_norm={c.qk_norm}, attention_bias={c.attention_bias}, "
-                     f"shared_expert_intermediate_size={c.shared_expert_intermediate_size}: qwen3_moe has q/k norm "
-                     "and neither biases nor a shared expert; qwen2_moe has a shared expert and no q/k norm")
-  model_type = "qwen2_moe" if qwen2 else "qwen3_moe"
-  out = dict(
-      architectures=[FAMILIES[model_type]], model_type=model_type, vocab_size=c.vocab_size,
-      hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, moe_intermediate_size=c.moe_intermediate_size,
-      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, num_experts=c.num_experts,
-      num_experts_per_tok=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, rms_norm_eps=c.rms_norm_eps,
-      rope_theta=c.rope_theta, rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
-      decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
-      tie_word_embeddings=c.tie_word_embeddings, router_aux_loss_coef=c.router_aux_loss_coef,
-      initializer_range=c.initializer_range, hidden_act="silu", use_sliding_window=False,
-      torch_dtype=c.param_dtype, dtype=c.param_dtype)  # transformers 4 reads torch_dtype, 5 dtype
-  if qwen2:
-    out.update(qkv_bias=c.attention_bias, shared_expert_intermediate_size=c.shared_expert_intermediate_size)
-  else:
-    out.update(attention_bias=False)
-  return out
-
+MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
 
 # ----------------------------------------------------------------------------------------------------------------
 # Names: each of our parameters and the Hugging Face tensor(s) it comes from.
@@ -169,9 +66,9 @@ _PER_EXPERT = {("mlp", f"w_{n}_E{s}"): Source(f"mlp.experts.{{e}}.{n}_proj.weigh
 _FUSED = {("mlp", "w_gate_EDF"): Source("mlp.experts.gate_up_proj", "gate"),
           ("mlp", "w_up_EDF"): Source("mlp.experts.gate_up_proj", "up"),
           ("mlp", "w_down_EFD"): Source("mlp.experts.down_proj", "down")}
-_SHARED = {("mlp", "shared_gate_DS"): Source("mlp.shared_expert.gate_proj.weight", "T"),
-           ("mlp", "shared_up_DS"): Source("mlp.shared_expert.up_proj.weight", "T"),
-           ("mlp", "shared_down_SD"): Source("mlp.shared_expert.down_proj.weight", "T"),
+_SHARED = {("mlp", "shared_gate_DF"): Source("mlp.shared_expert.gate_proj.weight", "T"),
+           ("mlp", "shared_up_DF"): Source("mlp.shared_expert.up_proj.weight", "T"),
+           ("mlp", "shared_down_FD"): Source("mlp.shared_expert.down_proj.weight", "T"),
            ("mlp", "shared_gate_D1"): Source("mlp.shared_expert_gate.weight", "T")}
 _TOP = {("embed_VD",): Source("model.embed_tokens.weight", "copy"),
         ("norm", "weight"): Source("model.norm.weight", "copy"), ("lm_head_DV",): Source("lm_head.weight", "T")}
@@ -210,75 +107,6 @@ def hf_shapes(source, shape, num_experts):
 # ----------------------------------------------------------------------------------------------------------------
 # Reading safetensors
 
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  file: pathlib.Path
-  dtype: str
-  shape: tuple
-  begin: int  # absolute byte offset of the tensor's data in `file`
-
-
-class Checkpoint:
-  """The tensors of a directory of safetensors files, by key, read slice by slice (nothing is kept open)."""
-
-  def __init__(self, hf_dir):
-    hf_dir = pathlib.Path(hf_dir)
-    index = hf_dir / INDEX_FILE
-    if index.exists():
-      weight_map = json.loads(index.read_text())["weight_map"]
-      files = sorted({hf_dir / f for f in weight_map.values()})
-      absent = [str(f) for f in files if not f.exists()]
-      if absent:
-        raise ValueError(f"{index} names file(s) that do not exist: {absent}")
-    else:
-      files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-      raise ValueError(f"{hf_dir}: no *.safetensors files")
-    self.entries = {}
-    for file in files:
-      for key, entry in _read_header(file).items():
-        if key in self.entries:
-          raise ValueError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
-        self.entries[key] = entry
-
-  def where(self, key):
-    return f"{key!r} (in {self.entries[key].file.name})"
-
-  def read(self, key, index):
-    """tensor `key`[index] as a NumPy array; `index` a tuple of step-1 slices, one per axis."""
-    entry = self.entries[key]
-    if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
-      return _read_raw(entry, index)
-    if entry.dtype not in _SAFETENSORS_DTYPES:
-      raise ValueError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
-    with safe_open(entry.file, framework="numpy") as f:
-      return f.get_slice(key)[index]
-
-
-def _read_header(file):
-  with open(file, "rb") as f:
-    size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
-  header.pop("__metadata__", None)
-  return {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
-          for key, h in header.items()}
-
-
-def _read_raw(entry, index):
-  """Reads the rows of index[0] (contiguous bytes), then takes the rest of the index in memory."""
-  dtype = np.dtype(_SAFETENSORS_DTYPES[entry.dtype])
-  if not entry.shape:
-    index = ()
-  rows = index[0] if index else slice(0, 1)
-  row_items = int(np.prod(entry.shape[1:], dtype=np.int64))
-  with open(entry.file, "rb") as f:
-    f.seek(entry.begin + rows.start * row_items * dtype.itemsize)
-    data = f.read((rows.stop - rows.start) * row_items * dtype.itemsize)
-  array = np.frombuffer(data, dtype).reshape((rows.stop - rows.start,) + entry.shape[1:])
-  return array[(slice(None),) + tuple(index[1:])] if entry.shape else array.reshape(())
-
-
 def _normalize(index, shape):
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
@@ -313,22 +141,23 @@ class _Param:
   stacked: bool
 
 
-def _layer_of_path(config, path):
+def _layer_of_path(config, runtime, path):
   """(layers, path inside the layer, stacked) of one of our parameter paths, or (None, path, False) at top level."""
   if path[0] != "layers":
     return None, path, False
-  groups = config.layer_groups()
+  groups = layer_groups(config, runtime)
   first, count = groups[path[1]]
   if path[2] == qwen3.STACKED:
     return list(range(first, first + count)), path[3:], True
   return [first], path[2:], False
 
 
-def param_sources(config, paths, fused_layers=frozenset()):
-  """{our parameter path: _Param} for every path in `paths` (tuples of keys from the model's pure dict)."""
+def param_sources(config, runtime, paths, fused_layers=frozenset()):
+  """{our parameter path: _Param} for every path in `paths` (tuples of keys from the pure dict of a model of
+  `config` laid out as `runtime` says)."""
   out = {}
   for path in paths:
-    layers, inner, stacked = _layer_of_path(config, path)
+    layers, inner, stacked = _layer_of_path(config, runtime, path)
     if layers is None:
       out[path] = _Param((_TOP[inner],), False)
       continue
@@ -342,9 +171,9 @@ def _paths(tree):
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def abstract_state(config, mesh):
+def abstract_state(config, mesh, runtime):
   """(graphdef, abstract state, {path: ShapeDtypeStruct with its sharding}) of the model, nothing allocated."""
-  graphdef, state = qwen3.abstract(config, mesh)
+  graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
   return graphdef, state, _paths(nnx.to_pure_dict(state))
 
 
@@ -408,12 +237,12 @@ def _make_array(shape, sharding, read):
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load_params(config, mesh, hf_dir, device_by_device=True):
-  """(graphdef, state) of the model with every parameter read from `hf_dir` straight into its sharding
-  (`device_by_device=False`: through `jax.make_array_from_callback`, for comparison)."""
+def load_params(config, mesh, hf_dir, device_by_device=True, *, runtime=RuntimeConfig()):
+  """(graphdef, state) of the model (`config`, run as `runtime`) with every parameter read from `hf_dir` straight
+  into its sharding (`device_by_device=False`: through `jax.make_array_from_callback`, for comparison)."""
   checkpoint = Checkpoint(hf_dir)
-  graphdef, state, shapes = abstract_state(config, mesh)
-  params = param_sources(config, shapes, _fused_layers(config, checkpoint))
+  graphdef, state, shapes = abstract_state(config, mesh, runtime)
+  params = param_sources(config, runtime, shapes, _fused_layers(config, checkpoint))
   _check_tensors(config, checkpoint, params, shapes)
   arrays = {}
   for path, param in params.items():
@@ -435,21 +264,22 @@ def _nest(flat):
   return out
 
 
-def from_hf(hf_dir, *, mesh, **config_overrides) -> qwen3.Qwen3MoE:
+def from_hf(hf_dir, *, mesh, runtime=RuntimeConfig(), **config_overrides) -> qwen3.Qwen3MoE:
   """The model of a local Hugging Face checkpoint directory, each parameter read straight into its sharding.
 
   Args:
     hf_dir: `config.json` and `*.safetensors` (one file, or shards with `model.safetensors.index.json`), experts
       per expert or fused; float32, float16 or bfloat16 tensors, cast to the config's param_dtype.
-    mesh: the device mesh (axes data, expert, tensor).
-    **config_overrides: `Qwen3MoEConfig` fields over those of `config.json` (see `config_from_hf`).
+    mesh: the device mesh (an 'expert' axis; 'data' and 'tensor' if it has them).
+    runtime: how the model runs (`RuntimeConfig`: dispatcher, compute dtype, layer scan, ...).
+    **config_overrides: `Qwen3MoEConfig` fields over those of `config.json` (see `hf_config.config_from_hf`).
 
   Raises:
     ValueError: a missing or unexpected tensor, or one of the wrong shape (its key and file named); see also
       `config_from_hf`.
   """
   config = config_from_hf(hf_dir, **config_overrides)
-  graphdef, state = load_params(config, mesh, hf_dir)
+  graphdef, state = load_params(config, mesh, hf_dir, runtime=runtime)
   return nnx.merge(graphdef, state)
 
 
@@ -513,7 +343,7 @@ class _ShardWriter:
     return names
 
 
-def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES, dtype=None):
+def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
   """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
   `config.json` (qwen3_moe or qwen2_moe, as the config implies: `config_to_hf`) and `model.safetensors`, or
@@ -530,7 +360,7 @@ def to_hf(model, out_dir, *, max_shard_bytes=qwen3.HF_MAX_SHARD_BYTES, dtype=Non
     raise ValueError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
   hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  params = param_sources(config, flat)
+  params = param_sources(config, model.runtime, flat)
   out_dir = pathlib.Path(out_dir)
   writer = _ShardWriter(out_dir, max_shard_bytes) if jax.process_index() == 0 else None
   if writer:

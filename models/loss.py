@@ -12,6 +12,9 @@ What moves between devices (one `shard_map`): tokens stay where they are (split 
 gathered once at entry if FSDP splits it; with `vocab_axis` each device holds a slice of the vocabulary and the
 logsumexp and the label's logit are reduced over that axis per chunk (scalars per token), dx over it once per
 chunk. The head's gradient is accumulated per device and summed over the token axes once, after the last chunk.
+
+Shape letters: see `relaymoe_jax`; inside the `shard_map` each array is this device's part (B its sequences, V its
+slice of the vocabulary or one tile of it), and R the positions of one chunk.
 """
 
 import functools
@@ -48,10 +51,10 @@ def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, vocab_
   token_axes = tuple(token_axes)
   tok = P(token_axes)
 
-  def per_device(x_bSD, head_DVl, labels_bS):
-    chunk_len = max(1, min(x_bSD.shape[1], chunk_tokens // x_bSD.shape[0]))
-    tile = max(1, min(head_DVl.shape[1], vocab_tile))
-    return _cross_entropy(x_bSD, head_DVl, labels_bS, (chunk_len, tile), token_axes, vocab_axis)
+  def per_device(x_BSD, head_DV, labels_BS):
+    chunk_len = max(1, min(x_BSD.shape[1], chunk_tokens // x_BSD.shape[0]))
+    tile = max(1, min(head_DV.shape[1], vocab_tile))
+    return _cross_entropy(x_BSD, head_DV, labels_BS, (chunk_len, tile), token_axes, vocab_axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok), out_specs=tok,
                        check_vma=True)(x_BSD, head_DV, labels_BS)
@@ -74,111 +77,111 @@ def _chunk(a, start, size):
   return jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
 
 
-def _local_logits(x_bcD, head_DVl):
-  return jnp.dot(x_bcD, head_DVl, preferred_element_type=jnp.float32, precision=matmul_precision(x_bcD.dtype))
+def _local_logits(x_BRD, head_DV):
+  return jnp.dot(x_BRD, head_DV, preferred_element_type=jnp.float32, precision=matmul_precision(x_BRD.dtype))
 
 
-def _dx(dlogits_bcV, head_DVl):
+def _dx(dlogits_BRV, head_DV):
   """dlogits · headᵀ, contracting V in place (no transposed copy of the head)."""
-  return jnp.einsum("bcv,dv->bcd", dlogits_bcV, head_DVl, preferred_element_type=jnp.float32,
-                    precision=matmul_precision(head_DVl.dtype))
+  return jnp.einsum("BRV,DV->BRD", dlogits_BRV, head_DV, preferred_element_type=jnp.float32,
+                    precision=matmul_precision(head_DV.dtype))
 
 
-def _vocab_offset(head_DVl, vocab_axis):
-  return jax.lax.axis_index(vocab_axis) * head_DVl.shape[1] if vocab_axis else 0
+def _vocab_offset(head_DV, vocab_axis):
+  return jax.lax.axis_index(vocab_axis) * head_DV.shape[1] if vocab_axis else 0
 
 
 def _reduce(x, op, vocab_axis):
   return op(x, vocab_axis) if vocab_axis else x
 
 
-def _tile(head_DVl, start, size):
-  return jax.lax.dynamic_slice_in_dim(head_DVl, start, size, axis=1)
+def _tile(head_DV, start, size):
+  return jax.lax.dynamic_slice_in_dim(head_DV, start, size, axis=1)
 
 
-def _is_label(labels_bc, start, size):
+def _is_label(labels_BR, start, size):
   """[b, c, size]: whether column `start + j` of this device's vocabulary slice is the label."""
-  return (start + jnp.arange(size)) == labels_bc[..., None]
+  return (start + jnp.arange(size)) == labels_BR[..., None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _cross_entropy(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis):
-  return _forward(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis)[0]
+def _cross_entropy(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis):
+  return _forward(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis)[0]
 
 
-def _forward(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis):
-  """(loss_bS, logsumexp_bS): per token, logsumexp over the vocabulary minus the label's logit."""
+def _forward(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis):
+  """(loss_BS, logsumexp_BS): per token, logsumexp over the vocabulary minus the label's logit."""
   chunk_len, tile = sizes
-  local = _vocab_offset(head_DVl, vocab_axis)
-  head_DVl = head_DVl.astype(x_bSD.dtype)
+  local = _vocab_offset(head_DV, vocab_axis)
+  head_DV = head_DV.astype(x_BSD.dtype)
   varying = tuple(token_axes) + ((vocab_axis,) if vocab_axis else ())
 
   def chunk(start, size, carry):
-    loss_bS, lse_bS = carry
-    x_bcD = _chunk(x_bSD, start, size)
-    labels_bc = _chunk(labels_bS, start, size) - local
+    loss_BS, lse_BS = carry
+    x_BRD = _chunk(x_BSD, start, size)
+    labels_BR = _chunk(labels_BS, start, size) - local
 
     def add_tile(v_start, v_size, acc):
-      max_bc, sum_bc, label_bc = acc
-      logits_bcV = _local_logits(x_bcD, _tile(head_DVl, v_start, v_size))
-      new_max_bc = jnp.maximum(max_bc, jnp.max(logits_bcV, -1))  # never differentiated: _bwd is the gradient
-      sum_bc = sum_bc * jnp.exp(max_bc - new_max_bc) + jnp.sum(jnp.exp(logits_bcV - new_max_bc[..., None]), -1)
-      label_bc = label_bc + jnp.sum(jnp.where(_is_label(labels_bc, v_start, v_size), logits_bcV, 0.0), -1)
-      return new_max_bc, sum_bc, label_bc
+      max_BR, sum_BR, label_BR = acc
+      logits_BRV = _local_logits(x_BRD, _tile(head_DV, v_start, v_size))
+      new_max_BR = jnp.maximum(max_BR, jnp.max(logits_BRV, -1))  # never differentiated: _bwd is the gradient
+      sum_BR = sum_BR * jnp.exp(max_BR - new_max_BR) + jnp.sum(jnp.exp(logits_BRV - new_max_BR[..., None]), -1)
+      label_BR = label_BR + jnp.sum(jnp.where(_is_label(labels_BR, v_start, v_size), logits_BRV, 0.0), -1)
+      return new_max_BR, sum_BR, label_BR
 
-    zeros_bc = vary_like(jnp.zeros(labels_bc.shape, jnp.float32), varying)
-    max_bc, sum_bc, label_bc = _for_each_chunk(head_DVl.shape[1], tile, add_tile,
-                                               (zeros_bc - jnp.inf, zeros_bc, zeros_bc))
-    global_max_bc = _reduce(max_bc, jax.lax.pmax, vocab_axis)
-    lse_bc = global_max_bc + jnp.log(_reduce(sum_bc * jnp.exp(max_bc - global_max_bc), jax.lax.psum, vocab_axis))
-    label_bc = _reduce(label_bc, jax.lax.psum, vocab_axis)
-    loss_bS = jax.lax.dynamic_update_slice_in_dim(loss_bS, lse_bc - label_bc, start, axis=1)
-    return loss_bS, jax.lax.dynamic_update_slice_in_dim(lse_bS, lse_bc, start, axis=1)
+    zeros_BR = vary_like(jnp.zeros(labels_BR.shape, jnp.float32), varying)
+    max_BR, sum_BR, label_BR = _for_each_chunk(head_DV.shape[1], tile, add_tile,
+                                               (zeros_BR - jnp.inf, zeros_BR, zeros_BR))
+    global_max_BR = _reduce(max_BR, jax.lax.pmax, vocab_axis)
+    lse_BR = global_max_BR + jnp.log(_reduce(sum_BR * jnp.exp(max_BR - global_max_BR), jax.lax.psum, vocab_axis))
+    label_BR = _reduce(label_BR, jax.lax.psum, vocab_axis)
+    loss_BS = jax.lax.dynamic_update_slice_in_dim(loss_BS, lse_BR - label_BR, start, axis=1)
+    return loss_BS, jax.lax.dynamic_update_slice_in_dim(lse_BS, lse_BR, start, axis=1)
 
-  zeros_bS = vary_like(jnp.zeros(labels_bS.shape, jnp.float32), token_axes)
-  return _for_each_chunk(x_bSD.shape[1], chunk_len, chunk, (zeros_bS, zeros_bS))
-
-
-def _fwd(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis):
-  loss_bS, lse_bS = _forward(x_bSD, head_DVl, labels_bS, sizes, token_axes, vocab_axis)
-  return loss_bS, (x_bSD, head_DVl, labels_bS, lse_bS)
+  zeros_BS = vary_like(jnp.zeros(labels_BS.shape, jnp.float32), token_axes)
+  return _for_each_chunk(x_BSD.shape[1], chunk_len, chunk, (zeros_BS, zeros_BS))
 
 
-def _bwd(sizes, token_axes, vocab_axis, residuals, g_bS):
+def _fwd(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis):
+  loss_BS, lse_BS = _forward(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis)
+  return loss_BS, (x_BSD, head_DV, labels_BS, lse_BS)
+
+
+def _bwd(sizes, token_axes, vocab_axis, residuals, g_BS):
   """dx and dhead from softmax − one-hot, recomputed per tile; the logits' gradient is cast to x's dtype before
   the two matmuls (float32 accumulation), as the forward's inputs are."""
   chunk_len, tile = sizes
-  x_bSD, head_param_DVl, labels_bS, lse_bS = residuals
-  local = _vocab_offset(head_param_DVl, vocab_axis)
-  head_DVl = head_param_DVl.astype(x_bSD.dtype)
+  x_BSD, head_param_DV, labels_BS, lse_BS = residuals
+  local = _vocab_offset(head_param_DV, vocab_axis)
+  head_DV = head_param_DV.astype(x_BSD.dtype)
   varying = tuple(token_axes) + ((vocab_axis,) if vocab_axis else ())
 
   def chunk(start, size, carry):
-    dx_bSD, dhead_DVl = carry
-    x_bcD = _chunk(x_bSD, start, size)
-    labels_bc, lse_bc, g_bc = (_chunk(a, start, size) for a in (labels_bS - local, lse_bS, g_bS))
+    dx_BSD, dhead_DV = carry
+    x_BRD = _chunk(x_BSD, start, size)
+    labels_BR, lse_BR, g_BR = (_chunk(a, start, size) for a in (labels_BS - local, lse_BS, g_BS))
 
     def add_tile(v_start, v_size, acc):
-      dx_bcD, dhead_DVl = acc
-      head_DVt = _tile(head_DVl, v_start, v_size)
-      probs_bcV = jnp.exp(_local_logits(x_bcD, head_DVt) - lse_bc[..., None])
-      dlogits_bcV = ((probs_bcV - _is_label(labels_bc, v_start, v_size)) * g_bc[..., None]).astype(x_bSD.dtype)
-      dx_bcD = dx_bcD + _dx(dlogits_bcV, head_DVt)
-      dhead_DVt = _tile(dhead_DVl, v_start, v_size) + jnp.einsum(
-          "bcd,bcv->dv", x_bcD, dlogits_bcV, preferred_element_type=jnp.float32,
-          precision=matmul_precision(x_bSD.dtype))
-      return dx_bcD, jax.lax.dynamic_update_slice_in_dim(dhead_DVl, dhead_DVt, v_start, axis=1)
+      dx_BRD, dhead_DV = acc
+      tile_DV = _tile(head_DV, v_start, v_size)
+      probs_BRV = jnp.exp(_local_logits(x_BRD, tile_DV) - lse_BR[..., None])
+      dlogits_BRV = ((probs_BRV - _is_label(labels_BR, v_start, v_size)) * g_BR[..., None]).astype(x_BSD.dtype)
+      dx_BRD = dx_BRD + _dx(dlogits_BRV, tile_DV)
+      dtile_DV = _tile(dhead_DV, v_start, v_size) + jnp.einsum(
+          "BRD,BRV->DV", x_BRD, dlogits_BRV, preferred_element_type=jnp.float32,
+          precision=matmul_precision(x_BSD.dtype))
+      return dx_BRD, jax.lax.dynamic_update_slice_in_dim(dhead_DV, dtile_DV, v_start, axis=1)
 
-    dx_bcD = vary_like(jnp.zeros(x_bcD.shape, jnp.float32), varying)
-    dx_bcD, dhead_DVl = _for_each_chunk(head_DVl.shape[1], tile, add_tile, (dx_bcD, dhead_DVl))
-    dx_bcD = _reduce(dx_bcD, jax.lax.psum, vocab_axis)
-    return jax.lax.dynamic_update_slice_in_dim(dx_bSD, dx_bcD.astype(x_bSD.dtype), start, axis=1), dhead_DVl
+    dx_BRD = vary_like(jnp.zeros(x_BRD.shape, jnp.float32), varying)
+    dx_BRD, dhead_DV = _for_each_chunk(head_DV.shape[1], tile, add_tile, (dx_BRD, dhead_DV))
+    dx_BRD = _reduce(dx_BRD, jax.lax.psum, vocab_axis)
+    return jax.lax.dynamic_update_slice_in_dim(dx_BSD, dx_BRD.astype(x_BSD.dtype), start, axis=1), dhead_DV
 
-  dhead_DVl = vary_like(jnp.zeros(head_DVl.shape, jnp.float32), varying)
-  dx_bSD, dhead_DVl = _for_each_chunk(x_bSD.shape[1], chunk_len, chunk, (jnp.zeros_like(x_bSD), dhead_DVl))
+  dhead_DV = vary_like(jnp.zeros(head_DV.shape, jnp.float32), varying)
+  dx_BSD, dhead_DV = _for_each_chunk(x_BSD.shape[1], chunk_len, chunk, (jnp.zeros_like(x_BSD), dhead_DV))
   # The head is the same on every token shard: its gradient is the sum of theirs, reduced once here.
-  dhead_DVl = jax.lax.psum(dhead_DVl, token_axes)
-  return dx_bSD, dhead_DVl.astype(head_param_DVl.dtype), None
+  dhead_DV = jax.lax.psum(dhead_DV, token_axes)
+  return dx_BSD, dhead_DV.astype(head_param_DV.dtype), None
 
 
 _cross_entropy.defvjp(_fwd, _bwd)

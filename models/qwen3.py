@@ -4,15 +4,12 @@ Decoder layer: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)), where MLP is
 (`relaymoe_jax.route` + `relaymoe_jax.moe_ffn`) or a dense SwiGLU on `mlp_only_layers` / off-`decoder_sparse_step`
 layers. Attention: GQA, per-head RMSNorm on q and k before RoPE (Qwen3), half-split RoPE over the full head_dim,
 scale head_dim^-0.5, causal, through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU). Consecutive
-layers of one kind are one `LayerStack` (stacked parameters, one `lax.scan`) unless `scan_layers=False`.
+layers of one kind are one `LayerStack` (stacked parameters, one `lax.scan`) unless `runtime.scan_layers` is off.
 
-Parallel layout ("MoE parallel folding"): the same devices, a different layout per block. Attention and embeddings
-split the batch over ('data', 'expert') and heads / MLP width over 'tensor' (parameters optionally FSDP over
-'data'); the MoE block splits tokens over ('data', 'expert') and experts over 'expert', where the ring runs.
-All specs are in `PARAM_SPECS`.
+A model is built from its architecture (`Qwen3MoEConfig`) and how it runs (`RuntimeConfig`, `models.qwen3_config`);
+where everything lives on the mesh is `models.sharding`'s. Shape letters: see `relaymoe_jax`.
 """
 
-import dataclasses
 import functools
 import logging
 
@@ -24,149 +21,28 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-from models.config import from_mapping, read_yaml
-from models.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
-from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from models.loss import chunked_cross_entropy
+from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
+from models.sharding import TOKEN_AXES, model_mesh, param_spec
+from relaymoe_jax.axes import TENSOR
 
-TOKEN_AXES = (DATA, EXPERT)
-FSDP = "fsdp"  # placeholder in PARAM_SPECS: DATA when FSDP is on, else replicated
-ETP = "etp"  # placeholder in PARAM_SPECS: TENSOR when expert tensor parallelism is on, else replicated
-# What a layer's backward recomputes, from the most memory to the least:
-#   none       every activation the layer's backward needs is kept from the forward;
-#   attention  attention is recomputed (its inputs are kept); the MoE keeps its residuals (x, pair plan);
-#   layer      only the layer's input is kept; backward reruns the whole layer's forward (the ring included);
-#   offload    as `layer`, with that input kept in host memory (`pinned_host`) instead of on the device.
-REMAT_POLICIES = ("none", "attention", "layer", "offload")
 LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3MoEConfig:
-  """Architecture, with Hugging Face Qwen3MoeConfig / Qwen2MoeConfig names, plus the MoE dispatcher."""
-
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int  # dense-MLP layers
-  moe_intermediate_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
-  num_key_value_heads: int
-  head_dim: int
-  num_experts: int
-  num_experts_per_tok: int
-  norm_topk_prob: bool = True
-  rms_norm_eps: float = 1e-6
-  rope_theta: float = 1_000_000.0
-  decoder_sparse_step: int = 1
-  mlp_only_layers: tuple[int, ...] = ()
-  attention_bias: bool = False  # Qwen2-MoE: q/k/v biases
-  qk_norm: bool = True  # Qwen3: RMSNorm on q and k heads; Qwen2-MoE: none
-  shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert with a sigmoid gate; 0 = none
-  tie_word_embeddings: bool = False
-  router_aux_loss_coef: float = 0.001
-  router_z_loss_coef: float = 0.0
-  initializer_range: float = 0.02
-  dtype: str = "bfloat16"  # compute
-  param_dtype: str = "float32"
-  # MoE block: dispatcher name and its own options (chunk_rows, capacity_factor, backend, ...).
-  dispatcher: str = "ring_expert"
-  dispatcher_options: tuple = ()  # given as a mapping in YAML; stored as sorted (key, value) pairs (hashable)
-  # What backward recomputes, for every layer or one entry per layer (`REMAT_POLICIES`); `relaymoe-plan` and the
-  # trainer's `remat: auto` choose it from the compiled step's memory.
-  remat: str | tuple[str, ...] = "none"
-  # Tokens per device per chunk of the loss head (`models.loss`): the float32 logits are never whole. 0: the
-  # plain loss over full logits.
-  loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-  # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
-  attention_implementation: str = "auto"
-  fsdp: bool = False
-  moe_tensor_parallel: bool = False  # split F of every expert over 'tensor' (expert tensor parallelism)
-  # Run each stretch of consecutive layers of one kind as one `lax.scan` over parameters stacked on a leading
-  # axis: one layer is traced and compiled whatever the depth (a ring layer takes about a minute to compile on a
-  # GPU). False: a Python loop over layers, each compiled on its own, which lets XLA overlap across layers.
-  scan_layers: bool = True
-
-  def __post_init__(self):
-    object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                       f"num_key_value_heads={self.num_key_value_heads}")
-    if not 1 <= self.num_experts_per_tok <= self.num_experts:
-      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
-                       f"{self.num_experts}]")
-    if self.dispatcher not in rm.DISPATCHERS:
-      raise ValueError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
-    policies = self.remat if isinstance(self.remat, tuple) else (self.remat,)
-    if isinstance(self.remat, tuple) and len(self.remat) != self.num_hidden_layers:
-      raise ValueError(f"remat has {len(self.remat)} entries for {self.num_hidden_layers} layers")
-    unknown = sorted(set(policies) - set(REMAT_POLICIES))
-    if unknown:
-      raise ValueError(f"remat {unknown} unknown; each layer's is one of {list(REMAT_POLICIES)}")
-    if self.loss_chunk_tokens < 0:
-      raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: full logits)")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-    if self.attention_implementation not in ("auto", "xla", "cudnn"):
-      raise ValueError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
-
-  def is_sparse(self, layer):
-    return (layer not in self.mlp_only_layers and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0)
-
-  def remat_of(self, layer):
-    return self.remat if isinstance(self.remat, str) else self.remat[layer]
-
-  def layer_groups(self):
-    """(first layer, count) of the layers run together: each stretch of consecutive layers of one kind (MoE or
-    dense MLP, one remat policy) with `scan_layers`, else each layer alone."""
-    kind = lambda layer: (self.is_sparse(layer), self.remat_of(layer))  # noqa: E731
-    groups = []
-    for layer in range(self.num_hidden_layers):
-      if groups and self.scan_layers and kind(layer) == kind(groups[-1][0]):
-        groups[-1][1] += 1
-      else:
-        groups.append([layer, 1])
-    return [tuple(g) for g in groups]
-
-
-def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:
-  """A model config from a YAML file or a name under configs/models/ (e.g. "qwen3-30b-a3b", "tiny")."""
-  data = dict(read_yaml(path_or_name, "models"), **overrides)
-  return from_mapping(Qwen3MoEConfig, data, f"model config {path_or_name}")
-
-
-# One table of parameter PartitionSpecs, by parameter role (shape letters: V vocab, D model, H heads·head_dim,
-# G kv heads·head_dim, F MLP width, E experts, S shared-expert width).
-PARAM_SPECS = {
-    "embed_VD": P(None, FSDP),
-    "q_DH": P(FSDP, TENSOR), "kv_DG": P(FSDP, TENSOR), "o_HD": P(TENSOR, FSDP),
-    "bias_H": P(TENSOR), "head_norm": P(None), "norm_D": P(None),
-    "mlp_in_DF": P(FSDP, TENSOR), "mlp_out_FD": P(TENSOR, FSDP),
-    "router_DE": P(None, None), "shared_gate_D1": P(FSDP, None),
-    "experts_in_EDF": P(EXPERT, None, ETP), "experts_out_EFD": P(EXPERT, ETP, None),
-    "lm_head_DV": P(FSDP, TENSOR),
-}
-
-
-def param_spec(role, config):
-  placeholders = {FSDP: DATA if config.fsdp else None, ETP: TENSOR if config.moe_tensor_parallel else None}
-  return P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
 
 
 class _Layer(nnx.Module):
   """Creates parameters annotated with their sharding role, and casts them to the compute dtype."""
 
-  def __init__(self, config):
-    self.config = config
+  def __init__(self, config, runtime):
+    self.config, self.runtime = config, runtime
 
   def cast(self, p):
-    return p[...].astype(self.config.dtype)
+    return p[...].astype(self.runtime.dtype)
 
 
-def _make_param(config, mesh, rngs, role, shape, init="normal"):
+def _make_param(config, runtime, mesh, rngs, role, shape, init="normal"):
   initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
       init, nnx.initializers.normal(config.initializer_range))
-  spec = tuple(param_spec(role, config))
+  spec = tuple(param_spec(role, runtime))
   return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
 
 
@@ -177,24 +53,24 @@ def rms_norm(x, weight, eps):
   return weight.astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope(x_BSNH, positions_BS, theta):
+def rope(x_BSQZ, positions_BS, theta):
   """Half-split rotary embedding (Hugging Face rotate_half) over the full head_dim, computed in float32."""
-  half = x_BSNH.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x_BSNH.shape[-1]))
+  half = x_BSQZ.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x_BSQZ.shape[-1]))
   angles = positions_BS[..., None].astype(jnp.float32) * inv_freq  # [B, S, half]
   cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
   sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
-  x32 = x_BSNH.astype(jnp.float32)
+  x32 = x_BSQZ.astype(jnp.float32)
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-  return (x32 * cos + rotated * sin).astype(x_BSNH.dtype)
+  return (x32 * cos + rotated * sin).astype(x_BSQZ.dtype)
 
 
-def attention(q_BSNH, k_BSGH, v_BSGH, scale, implementation, platform):
+def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform):
   """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation);
   `platform`: that of the devices it runs on, for "auto"."""
-  attend = functools.partial(jax.nn.dot_product_attention, q_BSNH, k_BSGH, v_BSGH, scale=scale, is_causal=True)
+  attend = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, scale=scale, is_causal=True)
   if implementation == "auto":
-    if platform != "gpu" or q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
+    if platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16):
       return attend(implementation="xla")
     try:
       return attend(implementation="cudnn")
@@ -211,9 +87,9 @@ def _log_attention_fallback(reason):
 
 class RMSNorm(_Layer):
 
-  def __init__(self, config, dim, mesh, rngs, role="norm_D"):
-    super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
+  def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
+    super().__init__(config, runtime)
+    param = functools.partial(_make_param, config, runtime, mesh, rngs)
     self.weight = param(role, (dim,), "ones")
 
   def __call__(self, x):
@@ -222,9 +98,9 @@ class RMSNorm(_Layer):
 
 class Attention(_Layer):
 
-  def __init__(self, config, mesh, rngs):
-    super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
+  def __init__(self, config, runtime, mesh, rngs):
+    super().__init__(config, runtime)
+    param = functools.partial(_make_param, config, runtime, mesh, rngs)
     c = config
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
@@ -234,8 +110,8 @@ class Attention(_Layer):
     if c.attention_bias:
       self.q_bias, self.k_bias, self.v_bias = (param("bias_H", (n,), "zeros") for n in (hq, hkv, hkv))
     if c.qk_norm:
-      self.q_norm, self.k_norm = (RMSNorm(c, c.head_dim, mesh, rngs, "head_norm"),
-                                   RMSNorm(c, c.head_dim, mesh, rngs, "head_norm"))
+      self.q_norm, self.k_norm = (RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm"),
+                                   RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm"))
 
   def __call__(self, x_BSD, positions_BS):
     c = self.config
@@ -253,15 +129,15 @@ class Attention(_Layer):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    out = attention(q, k, v, c.head_dim ** -0.5, c.attention_implementation, self.platform)
+    out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
 class DenseMLP(_Layer):
 
-  def __init__(self, config, width, mesh, rngs):
-    super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
+  def __init__(self, config, runtime, width, mesh, rngs):
+    super().__init__(config, runtime)
+    param = functools.partial(_make_param, config, runtime, mesh, rngs)
     d = config.hidden_size
     self.gate_DF, self.up_DF = param("mlp_in_DF", (d, width)), param("mlp_in_DF", (d, width))
     self.down_FD = param("mlp_out_FD", (width, d))
@@ -273,9 +149,9 @@ class DenseMLP(_Layer):
 class MoE(_Layer):
   """Router + experts through `relaymoe_jax`, plus the optional Qwen2-MoE shared expert."""
 
-  def __init__(self, config, mesh, rngs):
-    super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
+  def __init__(self, config, runtime, mesh, rngs):
+    super().__init__(config, runtime)
+    param = functools.partial(_make_param, config, runtime, mesh, rngs)
     c = config
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
     self.mesh = mesh
@@ -283,9 +159,9 @@ class MoE(_Layer):
     self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
     self.w_down_EFD = param("experts_out_EFD", (e, f, d))
     if c.shared_expert_intermediate_size:
-      s = c.shared_expert_intermediate_size
-      self.shared_gate_DS, self.shared_up_DS = param("mlp_in_DF", (d, s)), param("mlp_in_DF", (d, s))
-      self.shared_down_SD = param("mlp_out_FD", (s, d))
+      fs = c.shared_expert_intermediate_size
+      self.shared_gate_DF, self.shared_up_DF = param("mlp_in_DF", (d, fs)), param("mlp_in_DF", (d, fs))
+      self.shared_down_FD = param("mlp_out_FD", (fs, d))
       self.shared_gate_D1 = param("shared_gate_D1", (d, 1))
 
   def __call__(self, x_BSD):
@@ -296,46 +172,52 @@ class MoE(_Layer):
                                  norm_topk_prob=c.norm_topk_prob)
     shared = {}
     if c.shared_expert_intermediate_size:
-      shared = dict(shared=(self.cast(self.shared_gate_DS), self.cast(self.shared_up_DS),
-                            self.cast(self.shared_down_SD)), shared_gate_D1=self.cast(self.shared_gate_D1))
+      shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
+                            self.cast(self.shared_down_FD)), shared_gate_D1=self.cast(self.shared_gate_D1))
+    run = self.runtime
     y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
-                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=c.dispatcher, token_axes=TOKEN_AXES,
-                      tensor_axis=TENSOR if c.moe_tensor_parallel else None, **shared,
-                      **dict(c.dispatcher_options))
+                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=run.dispatcher, token_axes=TOKEN_AXES,
+                      tensor_axis=TENSOR if run.moe_tensor_parallel else None, **shared,
+                      **dict(run.dispatcher_options))
     return y_TD.reshape(b, s, d), aux
 
 
 class DecoderLayer(_Layer):
 
-  def __init__(self, config, layer, mesh, rngs):
-    super().__init__(config)
+  def __init__(self, config, runtime, layer, mesh, rngs):
+    super().__init__(config, runtime)
     self.layer = layer
-    self.input_norm = RMSNorm(config, config.hidden_size, mesh, rngs)
-    self.attn = Attention(config, mesh, rngs)
-    self.post_attention_norm = RMSNorm(config, config.hidden_size, mesh, rngs)
+    self.input_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
+    self.attn = Attention(config, runtime, mesh, rngs)
+    self.post_attention_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
     if config.is_sparse(layer):
-      self.mlp = MoE(config, mesh, rngs)
+      self.mlp = MoE(config, runtime, mesh, rngs)
     else:
-      self.mlp = DenseMLP(config, config.intermediate_size, mesh, rngs)
+      self.mlp = DenseMLP(config, runtime, config.intermediate_size, mesh, rngs)
 
   def __call__(self, x_BSD, positions_BS):
-    policy = self.config.remat_of(self.layer)
+    policy = self.runtime.remat_of(self.layer)
     if policy in ("layer", "offload"):
-      whole = lambda layer, x, pos: layer.forward(x, pos)  # noqa: E731
-      return nnx.remat(whole, policy=_remat_policy(policy))(self, x_BSD, positions_BS)
+      return nnx.remat(_layer_forward, policy=_remat_policy(policy))(self, x_BSD, positions_BS)
     return self.forward(x_BSD, positions_BS, remat_attention=policy == "attention")
 
   def forward(self, x_BSD, positions_BS, remat_attention=False):
     x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
-    attend = lambda attn, x, pos: attn(x, pos)  # noqa: E731
-    if remat_attention:
-      attend = nnx.remat(attend)
+    attend = nnx.remat(_attend) if remat_attention else _attend
     h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS)
     out = self.mlp(self.post_attention_norm(h))
     if isinstance(self.mlp, MoE):
       out, aux = out
       return h + out, [aux]
     return h + out, []
+
+
+def _layer_forward(layer, x_BSD, positions_BS):
+  return layer.forward(x_BSD, positions_BS)
+
+
+def _attend(attn, x_BSD, positions_BS):
+  return attn(x_BSD, positions_BS)
 
 
 def _remat_policy(policy):
@@ -355,13 +237,13 @@ class LayerStack(nnx.Module):
   """`count` consecutive decoder layers of one kind as one layer whose parameters are stacked on a leading axis
   (sharding specs gain a leading None), run by `lax.scan`: the layer is traced and compiled once."""
 
-  def __init__(self, config, first, count, mesh, rngs):
+  def __init__(self, config, runtime, first, count, mesh, rngs):
     self.count = count
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def build(rngs):
-      return DecoderLayer(config, first, mesh, rngs)
+      return DecoderLayer(config, runtime, first, mesh, rngs)
 
     setattr(self, STACKED, build(rngs))
 
@@ -384,14 +266,16 @@ def per_layer_ndim(path, param):
 class Qwen3MoE(_Layer):
   """The language model: `logits_BSV = model(tokens_BS)` (float32 logits)."""
 
-  def __init__(self, config, *, mesh, rngs):
-    super().__init__(config)
-    param = functools.partial(_make_param, config, mesh, rngs)
+  def __init__(self, config: Qwen3MoEConfig, runtime: RuntimeConfig = RuntimeConfig(), *, mesh, rngs):
+    super().__init__(config, runtime)
+    mesh = model_mesh(mesh)
+    param = functools.partial(_make_param, config, runtime, mesh, rngs)
     self.mesh = mesh
     self.embed_VD = param("embed_VD", (config.vocab_size, config.hidden_size))
-    self.layers = nnx.List([LayerStack(config, first, count, mesh, rngs) if config.scan_layers else
-                            DecoderLayer(config, first, mesh, rngs) for first, count in config.layer_groups()])
-    self.norm = RMSNorm(config, config.hidden_size, mesh, rngs)
+    self.layers = nnx.List([LayerStack(config, runtime, first, count, mesh, rngs) if runtime.scan_layers else
+                            DecoderLayer(config, runtime, first, mesh, rngs)
+                            for first, count in layer_groups(config, runtime)])
+    self.norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
     if not config.tie_word_embeddings:
       self.lm_head_DV = param("lm_head_DV", (config.hidden_size, config.vocab_size))
 
@@ -407,11 +291,11 @@ class Qwen3MoE(_Layer):
     """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
     x_BSD, aux = self.hidden_and_aux(tokens_BS)
-    if not self.config.loss_chunk_tokens:
+    if not self.runtime.loss_chunk_tokens:
       logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS), aux
     return chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=TOKEN_AXES,
-                                 vocab_axis=TENSOR, chunk_tokens=self.config.loss_chunk_tokens), aux
+                                 vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens), aux
 
   def head_DV(self):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
@@ -435,34 +319,11 @@ class Qwen3MoE(_Layer):
                "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
 
 
-def abstract(config, mesh, seed=0):
+def abstract(config, mesh, seed=0, *, runtime=RuntimeConfig()):
   """(graphdef, state) of the model with every parameter a ShapeDtypeStruct carrying its sharding: nothing is made."""
-  return nnx.split(nnx.eval_shape(lambda: Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(seed))))
+  return nnx.split(nnx.eval_shape(lambda: Qwen3MoE(config, runtime, mesh=mesh, rngs=nnx.Rngs(seed))))
 
 
-def create_sharded(config, mesh, seed=0):
+def create_sharded(config, mesh, seed=0, *, runtime=RuntimeConfig()):
   """Builds the model inside jit so each parameter is created directly with its sharding (no host copy)."""
-
-  return nnx.jit(lambda: Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(seed)))()
-
-
-HF_MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
-
-
-def config_from_hf(hf_dir, **overrides):
-  """`models.hf.config_from_hf`: our config from a Hugging Face qwen3_moe / qwen2_moe `config.json`."""
-  from models import hf  # here, not at the top: models.hf imports this module
-  return hf.config_from_hf(hf_dir, **overrides)
-
-
-def from_hf(hf_dir, *, mesh, **config_overrides):
-  """`models.hf.from_hf`: the model of a local Hugging Face checkpoint, read straight into its sharding."""
-  from models import hf
-  return hf.from_hf(hf_dir, mesh=mesh, **config_overrides)
-
-
-def to_hf(model, out_dir, *, max_shard_bytes=HF_MAX_SHARD_BYTES, dtype=None):
-  """`models.hf.to_hf`: writes the model as a Hugging Face checkpoint, in files of at most max_shard_bytes, in
-  `dtype` (default the param dtype)."""
-  from models import hf
-  return hf.to_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+  return nnx.jit(lambda: Qwen3MoE(config, runtime, mesh=mesh, rngs=nnx.Rngs(seed)))()

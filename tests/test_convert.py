@@ -1,15 +1,22 @@
 """`relaymoe-convert` and the trainer's `init_from`: Hugging Face ↔ orbax ↔ training runs, every tensor bit-exact."""
 
+import json
 import os
 import pathlib
 
 import numpy as np
 import pytest
+import yaml
 
 from models import qwen3
+from models.hf import to_hf
+from models.qwen3_config import RuntimeConfig, load_config
 from train import convert
+from train.cli import main
 from train.config import MeshConfig, load_run_config
-from train.loop import build_mesh, model_config_for, run
+from train.loop import run
+from train.mesh import build_mesh
+from train.sources import model_config_for
 from test_hf import assert_same_tensors
 
 # A run that changes nothing: learning rate 0, so its checkpoint holds the parameters it started from.
@@ -22,8 +29,12 @@ def hf_dir(tmp_path_factory):
   """The tiny model with random weights, written as a Hugging Face directory."""
   path = tmp_path_factory.mktemp("hf")
   mesh = build_mesh(MeshConfig(data=2, expert=4))
-  qwen3.to_hf(qwen3.create_sharded(qwen3.load_config("tiny"), mesh, seed=3), path)
+  to_hf(qwen3.create_sharded(load_config("tiny"), mesh, seed=3), path)
   return path
+
+
+# What earlier versions wrote into a model.yaml and a run's config beside the architecture: how the model ran.
+LEGACY_RUNTIME = dict(RuntimeConfig(dtype="float32").as_yaml(), remat="none")
 
 
 def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
@@ -32,6 +43,12 @@ def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
   assert (tmp_path / "orbax" / "model.yaml").exists() and (tmp_path / "orbax" / "params").is_dir()
   convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "back"), "mesh.data=2", "mesh.expert=4"])
   assert_same_tensors(hf_dir, tmp_path / "back")
+  model_yaml = tmp_path / "orbax" / "model.yaml"
+  assert not set(yaml.safe_load(model_yaml.read_text())) & set(LEGACY_RUNTIME)  # architecture only
+  # A converter output of before the split (its model.yaml also says how the model ran) converts the same.
+  model_yaml.write_text(yaml.safe_dump({**yaml.safe_load(model_yaml.read_text()), **LEGACY_RUNTIME}))
+  convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "legacy")])
+  assert_same_tensors(hf_dir, tmp_path / "legacy")
 
 
 @pytest.mark.parametrize("source", ["hf", pytest.param("orbax", marks=pytest.mark.slow)])
@@ -44,15 +61,24 @@ def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir
   assert np.isfinite(history[-1]["loss"])
   convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "back")])
   assert_same_tensors(hf_dir, tmp_path / "back")
+  # A run of before the split: its run_config.json held dispatcher and remat in `run`, the rest in `model`.
+  path = tmp_path / "run" / "run_config.json"
+  stored = json.loads(path.read_text())
+  runtime = stored["run"].pop("runtime")
+  stored["run"].update(dispatcher="", remat="")
+  stored["model"].update(runtime)
+  path.write_text(json.dumps(stored))
+  convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "legacy")])
+  assert_same_tensors(hf_dir, tmp_path / "legacy")
   with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 7 in .*; there are \[1\]"):
     convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "other"), "--step", "7", "--debug"])
 
 
 def test_init_from_takes_the_model_config_from_the_source_with_overrides(hf_dir):
-  tiny = qwen3.load_config("tiny")
-  config = load_run_config("cpu", [f"init_from=hf:{hf_dir}", "model.remat=layer", "dispatcher=all_to_all"])
+  tiny = load_config("tiny")
+  config = load_run_config("cpu", [f"init_from=hf:{hf_dir}", "model.rms_norm_eps=1e-5", "runtime.remat=layer"])
   built = model_config_for(config)
-  assert built.remat == "layer" and built.dispatcher == "all_to_all"
+  assert built.rms_norm_eps == 1e-5 and config.runtime.remat == "layer"
   for field in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size",
                 "moe_intermediate_size", "head_dim", "num_key_value_heads"):
     assert getattr(built, field) == getattr(tiny, field), field
@@ -62,7 +88,6 @@ def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   with pytest.raises(ValueError, match="init_from='gs://bucket' must start with one of"):
     load_run_config("cpu", ["init_from=gs://bucket"])
-  from train.cli import main  # noqa: PLC0415
   cases = [
       (main, ["--config", "cpu", "--out", str(tmp_path / "run"), f"init_from=hf:{tmp_path}"],
        f"relaymoe-train: error: init_from='hf:{tmp_path}': no config.json in {tmp_path}"),
@@ -86,6 +111,6 @@ def test_fine_tuning_a_transformers_checkpoint_lowers_its_loss(tmp_path):
   config = load_run_config("cpu", ["batch_size=8", "seq_len=16", "steps=6", "log_every=1", "checkpoint_every=0",
                                    "tensorboard=false", "compilation_cache_dir=''", "optim.learning_rate=1e-2",
                                    "optim.warmup_steps=1", "data.kind=tokens", f"data.path={tmp_path / 'batch.bin'}",
-                                   f"init_from=hf:{fixture}", f"out_dir={tmp_path / 'run'}"])
+                                   "runtime.dtype=bfloat16", f"init_from=hf:{fixture}", f"out_dir={tmp_path / 'run'}"])
   losses = [r["loss"] for r in run(config)]
   assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses

@@ -16,14 +16,14 @@ from safetensors.numpy import save_file
 
 from conftest import requires_devices
 import relaymoe_jax as rm
-from models import hf, qwen3
+from models import hf, hf_config, safetensors_io
+from models.qwen3_config import RuntimeConfig, load_config
 from train.config import MeshConfig
-from train.loop import build_mesh
+from train.mesh import build_mesh
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 FAMILIES = ("qwen3_moe", "qwen2_moe")
 LOGITS_ATOL = 1e-4
-F32 = dict(dtype="float32", param_dtype="float32")
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +45,15 @@ def _reference(family):
 _logits = nnx.jit(lambda model, tokens: model(tokens))  # one compile per config, shared by the tests
 
 
+def _from_hf(path, param_dtype="float32", **runtime):
+  """The model of a Hugging Face directory, float32 parameters and compute, `runtime` fields on top."""
+  return hf.from_hf(path, mesh=_mesh(), runtime=RuntimeConfig(**{"dtype": "float32", **runtime}),
+                    param_dtype=param_dtype)
+
+
 @functools.cache
-def _loaded(family, **overrides):
-  return qwen3.from_hf(FIXTURES / family, mesh=_mesh(), **{**F32, "dispatcher": "dense", **overrides})
+def _loaded(family, **runtime):
+  return _from_hf(FIXTURES / family, **{"dispatcher": "dense", **runtime})
 
 
 def _params(model):
@@ -56,7 +62,7 @@ def _params(model):
 
 def _tensors(directory):
   """{key: NumPy array} of every safetensors file in `directory` (bf16 read through its raw bytes)."""
-  checkpoint = hf.Checkpoint(directory)
+  checkpoint = safetensors_io.Checkpoint(directory)
   return {k: checkpoint.read(k, hf._normalize((slice(None),) * len(e.shape), e.shape))
           for k, e in checkpoint.entries.items()}
 
@@ -107,9 +113,9 @@ def _spec(array):
 
 @pytest.mark.parametrize("overrides", [{}, dict(fsdp=True, scan_layers=False)], ids=["stacked", "fsdp-unrolled"])
 def test_parameters_load_into_the_models_own_sharding(overrides):
-  config = qwen3.config_from_hf(FIXTURES / "qwen3_moe", **F32, **overrides)
-  model = qwen3.from_hf(FIXTURES / "qwen3_moe", mesh=_mesh(), **F32, **overrides)
-  _, _, abstract = hf.abstract_state(config, _mesh())
+  config = hf_config.config_from_hf(FIXTURES / "qwen3_moe", param_dtype="float32")
+  model = _from_hf(FIXTURES / "qwen3_moe", **overrides)
+  _, _, abstract = hf.abstract_state(config, _mesh(), RuntimeConfig(dtype="float32", **overrides))
   loaded = hf._paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   assert loaded.keys() == abstract.keys()
   for path, array in loaded.items():
@@ -139,21 +145,21 @@ def _fused(tensors):
 def test_fused_expert_layout_loads_the_same_parameters(family, tmp_path):
   fused = _rewrite(family, tmp_path, _fused)
   assert any(k.endswith("gate_up_proj") for k in _tensors(fused))
-  _assert_same_params(_params(qwen3.from_hf(fused, mesh=_mesh(), **F32, dispatcher="dense")),
+  _assert_same_params(_params(_from_hf(fused, dispatcher="dense")),
                       _params(_loaded(family)))
 
 
 def test_bfloat16_checkpoint_loads_and_exports_bit_exactly(tmp_path):
   to_bf16 = lambda tensors: {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}  # noqa: E731
   source = _rewrite("qwen3_moe", tmp_path / "bf16", to_bf16)
-  as_f32 = qwen3.from_hf(source, mesh=_mesh(), **F32)
+  as_f32 = _from_hf(source)
   expected = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in _params(_loaded("qwen3_moe")).items()}
   _assert_same_params(_params(as_f32), expected)
-  as_bf16 = qwen3.from_hf(source, mesh=_mesh(), param_dtype="bfloat16")
-  qwen3.to_hf(as_bf16, tmp_path / "out")
+  as_bf16 = hf.from_hf(source, mesh=_mesh(), param_dtype="bfloat16")
+  hf.to_hf(as_bf16, tmp_path / "out")
   assert_same_tensors(tmp_path / "out", source)
   assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-  qwen3.to_hf(_loaded("qwen3_moe"), tmp_path / "cast", dtype="bfloat16")  # float32 parameters written as bf16
+  hf.to_hf(_loaded("qwen3_moe"), tmp_path / "cast", dtype="bfloat16")  # float32 parameters written as bf16
   assert_same_tensors(tmp_path / "cast", source)
   assert json.loads((tmp_path / "cast" / "config.json").read_text())["dtype"] == "bfloat16"
 
@@ -161,8 +167,8 @@ def test_bfloat16_checkpoint_loads_and_exports_bit_exactly(tmp_path):
 def test_a_tied_checkpoint_holding_a_copy_of_the_head_loads(tmp_path):
   """Some tied checkpoints still store lm_head.weight (the embeddings again); transformers ignores it, so do we."""
   with_head = lambda t: dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"]})  # noqa: E731
-  _assert_same_params(_params(qwen3.from_hf(_rewrite("qwen2_moe", tmp_path, with_head), mesh=_mesh(), **F32,
-                                            dispatcher="dense")), _params(_loaded("qwen2_moe")))
+  _assert_same_params(_params(_from_hf(_rewrite("qwen2_moe", tmp_path, with_head), dispatcher="dense")),
+                      _params(_loaded("qwen2_moe")))
 
 
 # --- Export ------------------------------------------------------------------------------------------------------
@@ -180,34 +186,36 @@ def assert_same_tensors(actual_dir, expected_dir):
 @pytest.mark.parametrize("family,max_shard_bytes", [("qwen3_moe", 100_000), ("qwen2_moe", None)])
 def test_export_reproduces_every_tensor_bit_exactly(family, max_shard_bytes, tmp_path):
   kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-  files = qwen3.to_hf(_loaded(family), tmp_path, **kwargs)
+  files = hf.to_hf(_loaded(family), tmp_path, **kwargs)
   assert_same_tensors(tmp_path, FIXTURES / family)
-  assert qwen3.config_from_hf(tmp_path) == qwen3.config_from_hf(FIXTURES / family)
+  assert hf_config.config_from_hf(tmp_path) == hf_config.config_from_hf(FIXTURES / family)
   if max_shard_bytes:
     assert len(files) > 2 and all((tmp_path / f).stat().st_size <= max_shard_bytes + 10_000 for f in files)
-    index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / safetensors_io.INDEX_FILE).read_text())
     assert set(index["weight_map"].values()) == set(files) and set(index["weight_map"]) == set(_tensors(tmp_path))
-    unrolled = qwen3.from_hf(tmp_path, mesh=_mesh(), **F32, dispatcher="dense", scan_layers=False)
+    unrolled = _from_hf(tmp_path, dispatcher="dense", scan_layers=False)
     _assert_same_params(_params(unrolled), _params(_loaded(family, scan_layers=False)))
   else:
-    assert files == ["model.safetensors"] and not (tmp_path / hf.INDEX_FILE).exists()
+    assert files == ["model.safetensors"] and not (tmp_path / safetensors_io.INDEX_FILE).exists()
 
 
 def test_a_config_no_family_holds_is_refused(tmp_path):
-  config = qwen3.load_config("tiny", attention_bias=True)
+  config = load_config("tiny", attention_bias=True)
   with pytest.raises(ValueError, match="no Hugging Face family holds"):
-    hf.config_to_hf(config)
+    hf_config.config_to_hf(config)
 
 
 # --- Config ------------------------------------------------------------------------------------------------------
 
 
 def test_config_from_hf_reads_both_families_and_applies_overrides():
-  q3 = qwen3.config_from_hf(FIXTURES / "qwen3_moe", dispatcher="ring_token", scan_layers=False, remat="layer")
+  q3 = hf_config.config_from_hf(FIXTURES / "qwen3_moe", rms_norm_eps=1e-5, router_z_loss_coef=0.5)
   assert (q3.num_hidden_layers, q3.head_dim, q3.num_experts, q3.num_experts_per_tok) == (4, 8, 8, 2)
   assert q3.mlp_only_layers == (2,) and q3.qk_norm and not q3.attention_bias and q3.norm_topk_prob
-  assert (q3.dispatcher, q3.scan_layers, q3.remat, q3.rope_theta) == ("ring_token", False, "layer", 10000.0)
-  q2 = qwen3.config_from_hf(FIXTURES / "qwen2_moe")
+  assert (q3.rms_norm_eps, q3.router_z_loss_coef, q3.rope_theta) == (1e-5, 0.5, 10000.0)
+  with pytest.raises(ValueError, match="dispatcher"):  # how a model runs is not its config's
+    hf_config.config_from_hf(FIXTURES / "qwen3_moe", dispatcher="ring_token")
+  q2 = hf_config.config_from_hf(FIXTURES / "qwen2_moe")
   assert q2.attention_bias and not q2.qk_norm and q2.shared_expert_intermediate_size == 24
   assert q2.tie_word_embeddings and q2.decoder_sparse_step == 2 and q2.head_dim == 32 // 4
   assert not q2.norm_topk_prob
@@ -217,11 +225,11 @@ def test_config_from_hf_reads_transformers_4_names(tmp_path):
   config = json.loads((FIXTURES / "qwen2_moe" / "config.json").read_text())
   theta = config.pop("rope_parameters")["rope_theta"]
   (tmp_path / "config.json").write_text(json.dumps(dict(config, rope_theta=theta + 1, torch_dtype="bfloat16")))
-  assert qwen3.config_from_hf(tmp_path).rope_theta == theta + 1
+  assert hf_config.config_from_hf(tmp_path).rope_theta == theta + 1
   config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
   config["num_experts"] = config.pop("num_local_experts")  # transformers 5 writes num_local_experts
   (tmp_path / "config.json").write_text(json.dumps(config))
-  assert qwen3.config_from_hf(tmp_path).num_experts == 8
+  assert hf_config.config_from_hf(tmp_path).num_experts == 8
 
 
 @pytest.mark.parametrize("change,message", [
@@ -235,12 +243,12 @@ def test_unsupported_config_is_named(change, message, tmp_path):
   config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(dict(config, **change)))
   with pytest.raises(ValueError, match=message):
-    qwen3.config_from_hf(tmp_path)
+    hf_config.config_from_hf(tmp_path)
 
 
 def test_bad_override_is_named():
   with pytest.raises(ValueError, match="dispatchers"):
-    qwen3.config_from_hf(FIXTURES / "qwen3_moe", dispatchers="dense")
+    hf_config.config_from_hf(FIXTURES / "qwen3_moe", dispatchers="dense")
 
 
 # --- Bad checkpoints ---------------------------------------------------------------------------------------------
@@ -257,14 +265,14 @@ KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
 ], ids=["missing", "unexpected", "shape"])
 def test_bad_checkpoint_names_the_tensor(edit, message, tmp_path):
   with pytest.raises(ValueError, match=message):
-    qwen3.from_hf(_rewrite("qwen3_moe", tmp_path, edit), mesh=_mesh(), **F32)
+    _from_hf(_rewrite("qwen3_moe", tmp_path, edit))
 
 
 def test_index_naming_an_absent_file_is_named(tmp_path):
-  qwen3.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
   (tmp_path / "model-00002-of-00003.safetensors").unlink()
   with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
-    qwen3.from_hf(tmp_path, mesh=_mesh(), **F32)
+    _from_hf(tmp_path)
 
 
 # --- Live against transformers (pytest -m hf) --------------------------------------------------------------------
@@ -289,9 +297,9 @@ def test_live_against_transformers(family, tmp_path):
   tokens = np.random.default_rng(7).integers(0, kwargs["vocab_size"], (8, 10)).astype(np.int32)
   with torch.no_grad():
     expected = model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
-  ours = qwen3.from_hf(tmp_path / "theirs", mesh=_mesh(), **F32, dispatcher="ring_expert")
+  ours = _from_hf(tmp_path / "theirs", dispatcher="ring_expert")
   assert np.abs(np.asarray(_logits(ours, tokens)) - expected).max() <= LOGITS_ATOL
-  qwen3.to_hf(ours, tmp_path / "ours", max_shard_bytes=100_000)
+  hf.to_hf(ours, tmp_path / "ours", max_shard_bytes=100_000)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager")
   with torch.no_grad():
     again = reloaded.eval()(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()

@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import assert_close, mesh_of
 from models import qwen3
 from models.loss import chunked_cross_entropy
+from models.qwen3_config import RuntimeConfig, load_config
 from train.config import MeshConfig
-from train.loop import build_mesh
+from train.mesh import build_mesh
 
 TOKEN_AXES = ("data", "expert")
 LOSS_RTOL = 1e-6  # float32: only the summation order differs
@@ -97,14 +98,15 @@ def test_chunked_loss_never_holds_the_full_logits():
 @pytest.fixture(scope="module")
 def model_setup():
   mesh = build_mesh(MeshConfig(data=2, expert=4))
-  config = qwen3.load_config("tiny", num_hidden_layers=2, loss_chunk_tokens=0)
+  config = load_config("tiny", num_hidden_layers=2)
+  runtime = RuntimeConfig(loss_chunk_tokens=0, dtype="float32")
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 33)), jnp.int32)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
-  return mesh, config, tokens, params
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  return mesh, config, runtime, tokens, params
 
 
-def _model_loss(config, mesh, tokens):
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+def _model_loss(config, runtime, mesh, tokens):
+  graphdef, _ = qwen3.abstract(config, mesh, runtime=runtime)
 
   def loss(params):
     ce, aux = nnx.merge(graphdef, nnx.State(params)).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
@@ -116,12 +118,12 @@ def _model_loss(config, mesh, tokens):
 def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup):
   """Full logits with nothing recomputed against chunks of 24 tokens per device (a tail chunk) with the whole layer
   recomputed in layer 0 and its input offloaded in layer 1. (Policies inside scanned stretches: test_model.)"""
-  mesh, config, tokens, _ = model_setup
-  config = dataclasses.replace(config, scan_layers=False)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
-  ref_value, ref_grads = jax.jit(jax.value_and_grad(_model_loss(config, mesh, tokens)))(params)
-  frugal = dataclasses.replace(config, loss_chunk_tokens=24, remat=("layer", "offload"))
-  value, grads = jax.jit(jax.value_and_grad(_model_loss(frugal, mesh, tokens)))(params)
+  mesh, config, runtime, tokens, _ = model_setup
+  runtime = dataclasses.replace(runtime, scan_layers=False)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(_model_loss(config, runtime, mesh, tokens)))(params)
+  frugal = dataclasses.replace(runtime, loss_chunk_tokens=24, remat=("layer", "offload"))
+  value, grads = jax.jit(jax.value_and_grad(_model_loss(config, frugal, mesh, tokens)))(params)
   assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
@@ -131,10 +133,10 @@ def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup
 def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_setup, policy, on_host):
   """What the step saves for backward (jaxpr level; XLA:CPU then ignores memory spaces, GPUs honour them): under
   `offload` the stacked layer inputs [layers, B, S, D] live in host memory, under `layer` on the device."""
-  mesh, config, tokens, params = model_setup
+  mesh, config, runtime, tokens, params = model_setup
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    print_saved_residuals(_model_loss(dataclasses.replace(config, remat=policy), mesh, tokens), params)
+    print_saved_residuals(_model_loss(config, dataclasses.replace(runtime, remat=policy), mesh, tokens), params)
   b, s, d = tokens.shape[0], tokens.shape[1] - 1, config.hidden_size
   stacked_inputs = f"[{config.num_hidden_layers},{b},{s},{d}]"
   lines = [line for line in out.getvalue().splitlines() if stacked_inputs in line]
@@ -149,12 +151,13 @@ def test_offload_on_a_gpu_moves_the_layer_inputs_to_the_host_and_changes_nothing
   if jax.default_backend() != "gpu":
     pytest.skip("offload to pinned host memory acts on GPUs; run `pytest -m gpu` there")
   mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
-  config = qwen3.load_config("tiny", num_hidden_layers=3, dispatcher="ring_expert")
+  config = load_config("tiny", num_hidden_layers=3)
+  runtime = RuntimeConfig(dispatcher="ring_expert", dtype="float32")
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (2, 65)), jnp.int32)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
   results = {}
   for policy in ("none", "offload"):
-    step = jax.jit(jax.value_and_grad(_model_loss(dataclasses.replace(config, remat=policy), mesh, tokens)))
+    step = jax.jit(jax.value_and_grad(_model_loss(config, dataclasses.replace(runtime, remat=policy), mesh, tokens)))
     compiled = step.lower(params).compile()
     results[policy] = compiled(params), compiled.memory_analysis()
   (ref_value, ref_grads), _ = results["none"]

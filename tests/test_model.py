@@ -12,10 +12,12 @@ from flax import nnx
 
 from conftest import assert_close, requires_devices
 from models import qwen3
-from train.loop import build_mesh
+from models.qwen3_config import RuntimeConfig, layer_groups, load_config
 from train.config import MeshConfig
+from train.mesh import build_mesh
 
 MODEL_RTOL = 1e-4  # float32 through 2 layers: summation order differs between dispatchers
+F32 = RuntimeConfig(dtype="float32")
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +51,9 @@ def test_rope_matches_hf_rotate_half():
   np.testing.assert_allclose(np.asarray(qwen3.rope(jnp.asarray(x), jnp.asarray(pos), theta)), ref, atol=1e-5)
 
 
-def _loss_and_grads(config, mesh, tokens, params=None):
-  """(loss, gradients as a pure dict) of the model with `params` (a pure dict; default: built from seed 0)."""
-  if params is None:
-    params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+def _loss_and_grads(config, runtime, mesh, tokens, params):
+  """(loss, gradients as a pure dict) of the model with `params` (a pure dict)."""
+  graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
   nnx.replace_by_pure_dict(state, params)
   params = state
 
@@ -66,12 +66,12 @@ def _loss_and_grads(config, mesh, tokens, params=None):
   return value, nnx.to_pure_dict(grads)
 
 
-VARIANTS = {
-    "qwen3": ({}, MeshConfig(data=2, expert=4)),
-    "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32),
+VARIANTS = {  # (architecture changes, runtime changes, mesh)
+    "qwen3": ({}, {}, MeshConfig(data=2, expert=4)),
+    "qwen2": (dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32), {},
               MeshConfig(data=2, expert=4)),
-    "qwen3-etp": (dict(moe_tensor_parallel=True), MeshConfig(data=2, expert=2, tensor=2)),
-    "qwen3-fsdp": (dict(fsdp=True), MeshConfig(data=2, expert=4)),
+    "qwen3-etp": ({}, dict(moe_tensor_parallel=True), MeshConfig(data=2, expert=2, tensor=2)),
+    "qwen3-fsdp": ({}, dict(fsdp=True), MeshConfig(data=2, expert=4)),
 }
 
 
@@ -83,13 +83,15 @@ MODEL_PAIRS = [pytest.param(d, v, marks=() if (d, v) in DEFAULT_PAIRS else pytes
 
 @pytest.mark.parametrize("dispatcher,variant", MODEL_PAIRS)
 def test_model_under_dispatcher_matches_dense(dispatcher, variant):
-  extra, mesh_config = VARIANTS[variant]
+  extra, runtime_extra, mesh_config = VARIANTS[variant]
   mesh = build_mesh(mesh_config)
-  config = qwen3.load_config("tiny", **extra)
+  config = load_config("tiny", **extra)
+  runtime = dataclasses.replace(F32, **runtime_extra)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (8, 17)), jnp.int32)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
-  ref_value, ref_grads = _loss_and_grads(dataclasses.replace(config, dispatcher="dense"), mesh, tokens, params)
-  value, grads = _loss_and_grads(dataclasses.replace(config, dispatcher=dispatcher), mesh, tokens, params)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  ref_value, ref_grads = _loss_and_grads(config, dataclasses.replace(runtime, dispatcher="dense"), mesh, tokens,
+                                         params)
+  value, grads = _loss_and_grads(config, dataclasses.replace(runtime, dispatcher=dispatcher), mesh, tokens, params)
   assert abs(float(value) - float(ref_value)) <= MODEL_RTOL * abs(float(ref_value))
   flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
   assert len(flat) == len(ref_flat)
@@ -99,9 +101,8 @@ def test_model_under_dispatcher_matches_dense(dispatcher, variant):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh, scan_layers):
-  config = qwen3.load_config("tiny", num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3],
-                             scan_layers=scan_layers)
-  model = qwen3.Qwen3MoE(config, mesh=mesh, rngs=nnx.Rngs(0))
+  config = load_config("tiny", num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])
+  model = qwen3.Qwen3MoE(config, dataclasses.replace(F32, scan_layers=scan_layers), mesh=mesh, rngs=nnx.Rngs(0))
   layers = [(getattr(b, qwen3.STACKED), b.count) if scan_layers else (b, 1) for b in model.layers]
   kinds = [type(layer.mlp).__name__ for layer, count in layers for _ in range(count)]
   assert kinds == ["DenseMLP", "MoE", "DenseMLP", "DenseMLP", "DenseMLP"]
@@ -111,10 +112,10 @@ def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh, scan_layers):
 
 
 def test_layer_groups_split_at_every_change_of_kind():
-  config = qwen3.load_config("tiny", num_hidden_layers=7, mlp_only_layers=[2],
-                             remat=["none"] * 3 + ["attention"] * 2 + ["none"] * 2)
-  assert config.layer_groups() == [(0, 2), (2, 1), (3, 2), (5, 2)]
-  assert dataclasses.replace(config, scan_layers=False).layer_groups() == [(i, 1) for i in range(7)]
+  config = load_config("tiny", num_hidden_layers=7, mlp_only_layers=[2])
+  runtime = RuntimeConfig(remat=("none",) * 3 + ("attention",) * 2 + ("none",) * 2)
+  assert layer_groups(config, runtime) == [(0, 2), (2, 1), (3, 2), (5, 2)]
+  assert layer_groups(config, dataclasses.replace(runtime, scan_layers=False)) == [(i, 1) for i in range(7)]
 
 
 def _spec(p):
@@ -123,20 +124,21 @@ def _spec(p):
 
 
 def test_parameters_follow_the_sharding_table(mesh):
-  model = qwen3.create_sharded(qwen3.load_config("tiny", scan_layers=False), mesh)
+  model = qwen3.create_sharded(load_config("tiny"), mesh, runtime=RuntimeConfig(scan_layers=False))
   moe = model.layers[0].mlp
   assert _spec(moe.w_gate_EDF) == ("expert", None, None) and _spec(moe.w_down_EFD) == ("expert", None, None)
   assert tuple(model.layers[0].attn.q_DH.out_sharding) == (None, "tensor")  # 'tensor' has size 1 here
 
 
 def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
-  model = qwen3.create_sharded(qwen3.load_config("tiny"), mesh)
+  model = qwen3.create_sharded(load_config("tiny"), mesh)
   stack = getattr(model.layers[0], qwen3.STACKED)
   assert stack.mlp.w_gate_EDF[...].shape[0] == 2
   assert _spec(stack.mlp.w_gate_EDF) == (None, "expert", None, None)
   assert _spec(stack.mlp.w_down_EFD) == (None, "expert", None, None)
   assert tuple(stack.attn.q_DH.out_sharding) == (None, None, "tensor")
-  fsdp = getattr(qwen3.create_sharded(qwen3.load_config("tiny", fsdp=True), mesh).layers[0], qwen3.STACKED)
+  fsdp = getattr(qwen3.create_sharded(load_config("tiny"), mesh, runtime=RuntimeConfig(fsdp=True)).layers[0],
+                 qwen3.STACKED)
   assert _spec(fsdp.attn.q_DH) == (None, "data", None) and _spec(fsdp.mlp.w_gate_EDF) == (None, "expert", None, None)
 
 
@@ -144,20 +146,22 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   """The same parameters, stacked: the same loss and, stacked, the same gradients (float32), over stretches of
   MoE and dense layers under every remat policy. (The dispatchers inside a scan: the tests above, whose tiny model is one
   stretch of two MoE layers.)"""
-  config = qwen3.load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3], dispatcher="dense",
-                             remat=["layer", "attention", "none", "none", "offload"], scan_layers=False)
+  config = load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3])
+  runtime = dataclasses.replace(F32, dispatcher="dense", remat=("layer", "attention", "none", "none", "offload"),
+                                scan_layers=False)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0)))
-  unrolled_value, unrolled = _loss_and_grads(config, mesh, tokens, params)
-  scanned_config = dataclasses.replace(config, scan_layers=True)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  unrolled_value, unrolled = _loss_and_grads(config, runtime, mesh, tokens, params)
+  scanned = dataclasses.replace(runtime, scan_layers=True)
   stacked = lambda layers: jax.tree.map(lambda *p: jnp.stack(p), *layers)  # noqa: E731
   scanned_params = dict(params, layers={g: {qwen3.STACKED: stacked([params["layers"][i] for i in range(f, f + n)])}
-                                        for g, (f, n) in enumerate(scanned_config.layer_groups())})
-  value, scanned = _loss_and_grads(scanned_config, mesh, tokens, scanned_params)
+                                        for g, (f, n) in enumerate(layer_groups(config, scanned))})
+  value, scanned_grads = _loss_and_grads(config, scanned, mesh, tokens, scanned_params)
   assert abs(float(value) - float(unrolled_value)) <= 1e-6 * abs(float(unrolled_value))
   expected = dict(unrolled, layers={g: {qwen3.STACKED: stacked([unrolled["layers"][i] for i in range(f, f + n)])}
-                                    for g, (f, n) in enumerate(scanned_config.layer_groups())})
-  flat, ref_flat = jax.tree_util.tree_leaves_with_path(scanned), jax.tree_util.tree_leaves_with_path(expected)
+                                    for g, (f, n) in enumerate(layer_groups(config, scanned))})
+  flat = jax.tree_util.tree_leaves_with_path(scanned_grads)
+  ref_flat = jax.tree_util.tree_leaves_with_path(expected)
   assert [p for p, _ in flat] == [p for p, _ in ref_flat]
   for (path, g), (_, r) in zip(flat, ref_flat):
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
@@ -165,19 +169,51 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-57b-a14b", "qwen3-235b-a22b", "grid-e128-k8-f768"])
 def test_shipped_configs_load(name):
-  config = qwen3.load_config(name)
+  config = load_config(name)
   assert config.num_experts % 8 == 0 and config.num_experts_per_tok <= config.num_experts
 
 
 @pytest.mark.parametrize("changes,message", [
     (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
     (dict(num_key_value_heads=3), "num_key_value_heads=3"),
-    (dict(dispatcher="ring_sideways"), "ring_sideways"),
     (dict(hidden_sizes=64), "hidden_sizes"),
-    (dict(remat=["none"]), "remat has 1 entries"),
-    (dict(remat="everything"), "remat \\['everything'\\] unknown"),
-    (dict(loss_chunk_tokens=-1), "loss_chunk_tokens=-1"),
+    (dict(scan_layers=False), "\\['scan_layers'\\] say how the model runs, not what it is"),
 ])
 def test_bad_model_config_is_named(changes, message):
   with pytest.raises(ValueError, match=message):
-    qwen3.load_config("tiny", **changes)
+    load_config("tiny", **changes)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(dispatcher="ring_sideways"), "ring_sideways"),
+    (dict(remat=("none",)), "remat has 1 entries"),
+    (dict(remat="everything"), "remat \\['everything'\\] unknown"),
+    (dict(remat="auto"), "remat=auto is resolved by the planner"),
+    (dict(loss_chunk_tokens=-1), "loss_chunk_tokens=-1"),
+])
+def test_bad_runtime_is_named(changes, message, mesh):
+  with pytest.raises(ValueError, match=message):
+    qwen3.abstract(load_config("tiny"), mesh, runtime=RuntimeConfig(**changes))
+
+
+def test_the_model_runs_on_explicit_meshes_and_meshes_without_data_or_tensor(mesh):
+  """The same parameters on the trainer's Auto mesh, on `jax.make_mesh`'s Explicit axes and on meshes that lack
+  'data' or 'tensor' (taken as size 1): the same logits. A mesh without 'expert' is refused by name."""
+  config = load_config("tiny")
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (8, 16)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=F32)))
+
+  def logits_on(other):
+    graphdef, state = qwen3.abstract(config, other, runtime=F32)
+    shardings = jax.tree.map(lambda a: a.sharding, nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, jax.device_put(params, shardings))
+    return np.asarray(nnx.jit(lambda m, t: m(t))(nnx.merge(graphdef, state), tokens))
+
+  expected = logits_on(mesh)
+  devices = jax.devices()[:8]
+  for other in (jax.make_mesh((2, 4, 1), ("data", "expert", "tensor"), devices=devices),
+                jax.make_mesh((2, 4), ("data", "expert"), devices=devices),
+                jax.sharding.Mesh(np.array(devices), ("expert",))):
+    np.testing.assert_allclose(logits_on(other), expected, rtol=1e-5, atol=1e-5, err_msg=str(other))
+  with pytest.raises(ValueError, match="needs a mesh with an 'expert' axis"):
+    qwen3.abstract(config, jax.make_mesh((8,), ("data",), devices=devices), runtime=F32)

@@ -13,8 +13,9 @@ import os
 import pytest
 
 from train import cli, loop, plan as planning
+from train import compile as train_compile
+from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
-from train.loop import StepDoesNotFit, memory_plan
 
 OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",
              "compilation_cache_dir=''"]
@@ -50,6 +51,11 @@ def uniform():
   return {policy: planner.measure(policy)["total_bytes"] for policy in ("none", "attention", "layer")}
 
 
+def with_runtime(run_config, **changes):
+  """The run with its runtime changed (dispatcher, remat, dispatcher_options, ...)."""
+  return dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, **changes))
+
+
 def planner_with(budget, run_config=BASE):
   return planning.Planner(run_config, int(budget), log=lambda *_: None)
 
@@ -83,13 +89,11 @@ def test_a_budget_between_the_policies_gets_a_mixed_plan_that_fits(uniform):
 
 
 def test_the_ring_keeps_gate_up_only_where_it_can_and_the_user_left_it_open():
-  with_options = lambda **o: dataclasses.replace(BASE, model_overrides={  # noqa: E731
-      **BASE.model_overrides, "dispatcher_options": o})
-  assert planning.keeps_gate_up(BASE) and planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="auto"))
-  assert not planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="ring_token"))
-  assert not planning.keeps_gate_up(dataclasses.replace(BASE, dispatcher="all_to_all"))
-  assert not planning.keeps_gate_up(with_options(keep_gate_up=False))
-  assert not planning.keeps_gate_up(with_options(recompute=False))
+  assert planning.keeps_gate_up(BASE) and planning.keeps_gate_up(with_runtime(BASE, dispatcher="auto"))
+  assert not planning.keeps_gate_up(with_runtime(BASE, dispatcher="ring_token"))
+  assert not planning.keeps_gate_up(with_runtime(BASE, dispatcher="all_to_all"))
+  assert not planning.keeps_gate_up(with_runtime(BASE, dispatcher_options=dict(keep_gate_up=False)))
+  assert not planning.keeps_gate_up(with_runtime(BASE, dispatcher_options=dict(recompute=False)))
 
 
 def test_nothing_to_plan_when_everything_fits(uniform):
@@ -107,20 +111,21 @@ def test_a_budget_below_the_frugal_plan_is_reported_not_fitting(uniform):
 def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys):
   budget = between(uniform, 0.6)
   expected = planner_with(budget).plan()
-  config = dataclasses.replace(BASE, remat="auto", device_memory_gib=memory_gib(budget), out_dir=str(tmp_path))
+  config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(budget),
+                               out_dir=str(tmp_path))
   history = loop.run(config)
   assert [r["step"] for r in history] == [0, 1]
   stored = json.loads((tmp_path / "run_config.json").read_text())
   assert tuple(stored["remat_plan"]["remat"]) == expected.remat and stored["remat_plan"]["fits"]
-  assert tuple(stored["model"]["remat"]) == expected.remat and expected.keep_gate_up
-  assert dict(stored["model"]["dispatcher_options"])["keep_gate_up"] is True
+  assert tuple(stored["run"]["runtime"]["remat"]) == expected.remat and expected.keep_gate_up
+  assert dict(stored["run"]["runtime"]["dispatcher_options"])["keep_gate_up"] is True
   assert f"remat auto: {expected.summary()}" in capsys.readouterr().out
 
 
 def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
-  config = dataclasses.replace(BASE, remat="auto", device_memory_gib=memory_gib(uniform["layer"] * 0.9),
+  config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(uniform["layer"] * 0.9),
                                out_dir=str(tmp_path))
-  with pytest.raises(StepDoesNotFit, match="remat=auto: even layer in every layer needs .* GiB per device, over "
+  with pytest.raises(StepDoesNotFit, match="runtime.remat=auto: even layer in every layer needs .* GiB per device, over "
                                            "the budget of .* GiB. `relaymoe-plan"):
     loop.run(config)
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
@@ -128,7 +133,7 @@ def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
 
 
 @pytest.mark.parametrize("fraction,suggestion", [
-    (0.6, "With remat=auto it fits: "),
+    (0.6, "With runtime.remat=auto it fits: "),
     (-0.5, "Even layer in every layer needs "),
 ])
 def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion(uniform, tmp_path, fraction,
@@ -150,19 +155,19 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
   stderr = capsys.readouterr().err
   assert exit_info.value.code == 2
   assert stderr.startswith("relaymoe-train: error: the train step needs ") and stderr.count("\n") == 1, stderr
-  assert "With remat=auto it fits" in stderr
+  assert "With runtime.remat=auto it fits" in stderr
 
 
 def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):
   step = loop.compile_step(BASE)  # remat none: uniform["none"] bytes
-  monkeypatch.setattr(loop, "allocator_grows_on_demand", lambda: True)
+  monkeypatch.setattr(train_compile, "allocator_grows_on_demand", lambda: True)
   for fraction, warned in ((0.95, True), (0.8, False)):
     config = dataclasses.replace(BASE, device_memory_gib=uniform["none"] / fraction / GIB)
-    assert loop.check_fits(config, step)["total_bytes"] == uniform["none"]
+    assert train_compile.check_fits(config, step)["total_bytes"] == uniform["none"]
     out = capsys.readouterr().out
     assert ("XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows region by region" in out) == warned, out
-  monkeypatch.setattr(loop, "allocator_grows_on_demand", lambda: False)
-  loop.check_fits(dataclasses.replace(BASE, device_memory_gib=uniform["none"] / 0.95 / GIB), step)
+  monkeypatch.setattr(train_compile, "allocator_grows_on_demand", lambda: False)
+  train_compile.check_fits(dataclasses.replace(BASE, device_memory_gib=uniform["none"] / 0.95 / GIB), step)
   assert "warning" not in capsys.readouterr().out
 
 
@@ -181,18 +186,17 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
   plan = planner_with(budget, moe_heavy).plan()
   assert plan.fits and plan.total_bytes <= budget and plan.max_chunk_rows == 128, plan
   assert "ring chunks ≤ 128 rows" in plan.summary()
-  config = dataclasses.replace(moe_heavy, remat="auto", device_memory_gib=memory_gib(budget), out_dir=str(tmp_path))
+  config = dataclasses.replace(with_runtime(moe_heavy, remat="auto"), device_memory_gib=memory_gib(budget),
+                               out_dir=str(tmp_path))
   assert [r["step"] for r in loop.run(config)] == [0, 1]
   stored = json.loads((tmp_path / "run_config.json").read_text())
-  assert dict(stored["model"]["dispatcher_options"])["max_chunk_rows"] == 128
+  assert dict(stored["run"]["runtime"]["dispatcher_options"])["max_chunk_rows"] == 128
   assert "capping the ring's chunks at 128 rows" in capsys.readouterr().out
   # Nothing to cap: chunk sizes chosen by the user, an all-to-all, or a hop's share already under the cap.
-  with_options = lambda **o: dataclasses.replace(moe_heavy, model_overrides={  # noqa: E731
-      **moe_heavy.model_overrides, "dispatcher_options": o})
   assert planning.caps_chunks(moe_heavy)
-  assert not planning.caps_chunks(with_options(chunk_rows=256))
-  assert not planning.caps_chunks(with_options(max_chunk_rows=256))
-  assert not planning.caps_chunks(dataclasses.replace(moe_heavy, dispatcher="all_to_all"))
+  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(chunk_rows=256)))
+  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(max_chunk_rows=256)))
+  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher="all_to_all"))
   assert not planning.caps_chunks(dataclasses.replace(moe_heavy, seq_len=64))
 
 
@@ -216,7 +220,7 @@ def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_pa
 
 def test_plan_needs_a_memory_limit_on_cpu():
   with pytest.raises(ValueError, match="cpu devices report no memory limit: set device_memory_gib"):
-    planning.resolve_remat(dataclasses.replace(BASE, remat="auto"))
+    planning.resolve_remat(with_runtime(BASE, remat="auto"))
 
 
 @pytest.mark.slow

@@ -23,12 +23,19 @@ from conftest import requires_devices
 from models import qwen3
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
 from train.data import SyntheticLanguage, make_source
-from train.loop import (Checkpoints, abstract_train_state, build_mesh, global_batch, memory_plan, model_config_for,
-                        on_mesh, run)
+from models.qwen3_config import RuntimeConfig, load_config
+from train.checkpoints import Checkpoints
+from train.compile import abstract_train_state, memory_plan
+from train.loop import run
+from train.mesh import build_mesh, global_batch, on_mesh
+from train.sources import model_config_for
+from train import checkpoints as train_checkpoints
 from train import loop as train_loop
+from train.cli import _parse
 from train.step import TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F32 = RuntimeConfig(dtype="float32")  # the tiny model computes in float32 in these tests, as `--config cpu` does
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +45,7 @@ def _eight_devices():
 
 
 def tiny_run(tmp_path, **changes):
-  base = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16, steps=6,
+  base = RunConfig(model="tiny", runtime=F32, mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16, steps=6,
                    log_every=1, checkpoint_every=3, out_dir=str(tmp_path / "run"), tensorboard=False)
   return dataclasses.replace(base, **changes)
 
@@ -46,10 +53,11 @@ def tiny_run(tmp_path, **changes):
 def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   """Step 0 of Adam (bias-corrected) moves each parameter by −lr·(g/(|g|+eps) + wd·p) (decay on matrices only),
   with g the gradient of the loss computed independently through the dense oracle."""
-  run_config = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16, steps=10)
+  run_config = RunConfig(model="tiny", runtime=F32, mesh=MeshConfig(data=2, expert=4), batch_size=8, seq_len=16,
+                         steps=10)
   mesh = build_mesh(run_config.mesh)
   model_config = model_config_for(run_config)
-  graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh))
+  graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=F32))
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16), mesh)
@@ -57,7 +65,8 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
   new_state, metrics = step(state, tokens)
 
-  dense_graphdef, _ = nnx.split(qwen3.create_sharded(dataclasses.replace(model_config, dispatcher="dense"), mesh))
+  dense_graphdef, _ = nnx.split(qwen3.create_sharded(model_config, mesh,
+                                                     runtime=dataclasses.replace(F32, dispatcher="dense")))
 
   def oracle_loss(p):
     logits, aux = nnx.merge(dense_graphdef, nnx.State(p)).logits_and_aux(tokens[:, :-1])
@@ -143,12 +152,13 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
   """Another layout is an error from the newest checkpoint's metadata, never a fall back to an older one."""
-  run(tiny_run(tmp_path, steps=2, checkpoint_every=1, model_overrides={"scan_layers": False}))
-  with pytest.raises(ValueError, match="checkpoint step 2 .* model.scan_layers.*this model lacks"):
+  unstacked = dataclasses.replace(F32, scan_layers=False)
+  run(tiny_run(tmp_path, steps=2, checkpoint_every=1, runtime=unstacked))
+  with pytest.raises(ValueError, match="checkpoint step 2 .* runtime.scan_layers.*this model lacks"):
     run(tiny_run(tmp_path, steps=3, checkpoint_every=1), resume=True)
   with pytest.raises(ValueError, match=r"checkpoint step 2 .*w_down_EFD is \(8, 64, 64\) in the checkpoint and "
                                        r"\(8, 32, 64\) in this model"):
-    run(tiny_run(tmp_path, steps=3, model_overrides={"scan_layers": False, "moe_intermediate_size": 32}), resume=True)
+    run(tiny_run(tmp_path, steps=3, runtime=unstacked, model_overrides={"moe_intermediate_size": 32}), resume=True)
   checkpoints = Checkpoints(tmp_path / "run" / "checkpoints", 2)
   assert checkpoints.manager.all_steps() == [1, 2] and not (tmp_path / "run" / "checkpoints-unreadable").exists()
   checkpoints.close()
@@ -164,7 +174,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert checkpoints.latest_step() == 2
   mesh = build_mesh(MeshConfig(data=2, expert=4))
   model_config = model_config_for(diverging)
-  _, params = nnx.split(qwen3.create_sharded(model_config, mesh))
+  _, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=F32))
   params = nnx.to_pure_dict(params)
   optimizer, _ = make_optimizer(diverging.optim, 4)
   state, meta = checkpoints.restore(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)))
@@ -197,8 +207,15 @@ def test_bad_run_configs_are_named(tmp_path):
     model_config_for(load_run_config("cpu", ["model.hidden_sise=8"]))
   with pytest.raises(ValueError, match="needs 6 devices"):
     build_mesh(MeshConfig(data=3, expert=2))
-  assert model_config_for(load_run_config("cpu", ["model.num_hidden_layers=3", "dispatcher=all_to_all"])) == \
-      qwen3.load_config("tiny", num_hidden_layers=3, dispatcher="all_to_all")
+  run_config = load_run_config("cpu", ["model.num_hidden_layers=3", "runtime.dispatcher=all_to_all"])
+  assert model_config_for(run_config) == load_config("tiny", num_hidden_layers=3)
+  assert run_config.runtime == RuntimeConfig(dispatcher="all_to_all", dtype="float32")
+  for moved, where in (("dispatcher=all_to_all", "dispatcher is now runtime.dispatcher"),
+                       ("model.scan_layers=false", "model.scan_layers is now runtime.scan_layers")):
+    with pytest.raises(ValueError, match=where):
+      load_run_config("cpu", [moved])
+  with pytest.raises(ValueError, match=r"\['remat'\] say how the model runs"):
+    model_config_for(dataclasses.replace(load_run_config("cpu"), model_overrides={"remat": "layer"}))
 
 
 def test_data_sources_are_deterministic_and_resumable(tmp_path):
@@ -279,13 +296,14 @@ def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_pa
 def test_memory_plan_sees_the_real_training_state_from_shapes_alone():
   """The abstract state has the real one's shapes, dtypes and shardings (FSDP, stacked layers, Adam moments); the
   plan's state bytes per device are the real state's bytes on one device."""
-  run_config = RunConfig(model="tiny", model_overrides={"fsdp": True}, mesh=MeshConfig(data=2, expert=4),
-                         batch_size=8, seq_len=16, steps=2)
+  runtime = dataclasses.replace(F32, fsdp=True)
+  run_config = RunConfig(model="tiny", runtime=runtime, mesh=MeshConfig(data=2, expert=4), batch_size=8,
+                         seq_len=16, steps=2)
   mesh = build_mesh(run_config.mesh)
   model_config = model_config_for(run_config)
   optimizer, _ = make_optimizer(run_config.optim, run_config.steps)
-  _, abstract = abstract_train_state(model_config, mesh, optimizer)
-  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(model_config, mesh)))
+  _, abstract = abstract_train_state(model_config, runtime, mesh, optimizer)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(model_config, mesh, runtime=runtime)))
   real = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)
   (paths, abstract_leaves), real_leaves = zip(*jax.tree_util.tree_leaves_with_path(abstract)), jax.tree.leaves(real)
   assert len(abstract_leaves) == len(real_leaves)
@@ -313,6 +331,29 @@ def test_cli_compile_only_reports_the_plan_and_trains_nothing(tmp_path):
 
 
 def test_cli_takes_overrides_before_and_after_options():
-  from train.cli import _parse  # noqa: PLC0415
   args = _parse(["--config", "ep8", "model.num_hidden_layers=4", "--out", "d", "steps=2", "--compile-only"])
   assert args.overrides == ["model.num_hidden_layers=4", "steps=2"] and args.out == "d" and args.compile_only
+
+
+def test_a_checkpoint_with_the_shared_experts_old_parameter_names_resumes(tmp_path):
+  """Checkpoints written before the shape letters were unified name the shared expert's weights `shared_*_DS` and
+  `shared_down_SD`: they restore, value for value, under the new names, and a run resumes from them."""
+  config = tiny_run(tmp_path, steps=2, model_overrides={"shared_expert_intermediate_size": 32})
+  mesh = build_mesh(config.mesh)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(model_config_for(config), mesh, runtime=F32)))
+  optimizer, _ = make_optimizer(config.optim, config.steps)
+  state = on_mesh(TrainState(params, optimizer.init(params), jnp.ones((), jnp.int32)), mesh)
+  old_names = {new: old for old, new in train_checkpoints.RENAMED.items()}
+  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as saver:
+    saver.save(1, train_checkpoints._renamed(state, old_names), {"next_batch": 1, "samples_seen": 8})
+  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as reader:
+    stored = str(reader.manager.item_metadata(1)["state"])
+    restored, meta = reader.restore(state)
+  assert "shared_gate_DS" in stored and "shared_gate_DF" not in stored
+  assert meta["next_batch"] == 1
+  flat, expected = jax.tree_util.tree_leaves_with_path(restored), jax.tree_util.tree_leaves_with_path(state)
+  assert [p for p, _ in flat] == [p for p, _ in expected]
+  assert any("shared_gate_DF" in jax.tree_util.keystr(p) for p, _ in flat)
+  for (path, a), (_, b) in zip(flat, expected):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  assert [r["step"] for r in run(config, resume=True)] == [1]

@@ -14,9 +14,13 @@ import pytest
 
 from conftest import requires_devices
 from test_train import REPO, tiny_run
-from train.cli import _exit_status, main
+from train.checkpoints import CheckpointUnreadable
+from train.cli import main
 from train.config import RunConfig, load_run_config
-from train.loop import CheckpointUnreadable, model_config_for, run, run_mesh
+from train.errors import exit_status
+from train.loop import run
+from train.mesh import run_mesh
+from train.sources import model_config_for
 from train.preempt import StopRequest
 from train.rundir import RunDirectory, RunDirectoryError
 
@@ -47,8 +51,8 @@ def logged_steps(out):
     (["tensorboard=false"], "tensorboard", False),
     (["out_dir='123'"], "out_dir", "123"),
     (["compilation_cache_dir="], "compilation_cache_dir", ""),  # what the shell leaves of compilation_cache_dir=''
-    (["model.remat=[layer, none]"], "model.remat", ("layer", "none")),
-    (["model.remat=offload"], "model.remat", "offload"),
+    (["runtime.remat=[layer, none]"], "runtime.remat", ("layer", "none")),
+    (["runtime.remat=offload"], "runtime.remat", "offload"),
     (["model.rms_norm_eps=1e-5"], "model.rms_norm_eps", 1e-5),
 ])
 def test_config_values_are_coerced_by_field_type(overrides, field, expected):
@@ -69,8 +73,8 @@ def test_config_values_are_coerced_by_field_type(overrides, field, expected):
     (["out_dir=123"], "out_dir=123 is not a string"),
     (["mesh=3"], "mesh must be a mapping"),
     (["model.num_hidden_layers=two"], "num_hidden_layers='two' is not an int"),
-    (["model.remat=[1, 2]"], r"remat=\[1, 2\] is not a string \(quote it\), or a list of str"),
-    (["model.remat=maybe"], r"remat \['maybe'\] unknown; each layer's is one of"),
+    (["runtime.remat=[1, 2]"], r"remat=\[1, 2\] is not a string \(quote it\), or a list of str"),
+    (["runtime.remat=maybe"], r"remat \['maybe'\] unknown; each layer's is one of"),
     (["model.mlp_only_layers=[0, x]"], r"mlp_only_layers=\[0, 'x'\] is not a list of int"),
 ])
 def test_config_values_of_the_wrong_type_are_named(overrides, message):
@@ -218,7 +222,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
   try:  # a ValueError from below the project (a bug, not a bad input) keeps its traceback
     np.ones(3).reshape(2)
   except ValueError as err:
-    assert _exit_status(err) is None
+    assert exit_status(err) is None
   with pytest.raises(ValueError, match="steps='abc'"):
     main([*common, "steps=abc", "--debug"])
 

@@ -19,7 +19,14 @@ import json
 import os
 import pathlib
 import sys
-import traceback
+
+import jax
+
+from train import plan_search
+from train.compile import memory_plan
+from train.config import load_run_config
+from train.errors import run_cli
+from train.loop import run
 
 
 def _parse(argv):
@@ -43,7 +50,7 @@ def _parse(argv):
   return parser.parse_intermixed_args(argv)  # key=value overrides may come before and after options
 
 
-def _start_distributed(args, jax):
+def _start_distributed(args):
   if args.coordinator:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
@@ -53,72 +60,30 @@ def _start_distributed(args, jax):
 
 
 def main(argv=None):
-  _run_cli("relaymoe-train", _parse(sys.argv[1:] if argv is None else argv), _main)
-
-
-def _run_cli(prog, args, body):
-  """body(args), with the errors a user can act on printed as one line and turned into an exit status."""
-  try:
-    body(args)
-  except KeyboardInterrupt:
-    print(f"{prog}: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
-    sys.exit(130)
-  except Exception as err:
-    status = _exit_status(err)
-    if status is None or args.debug:
-      raise
-    print(f"{prog}: {'' if status > 128 else 'error: '}{err}", file=sys.stderr)
-    sys.exit(status)
-
-
-def _exit_status(err):
-  """The exit status of an error the user can act on from its message alone; None for a bug (a traceback)."""
-  from train.loop import CheckpointUnreadable, StepDoesNotFit  # noqa: PLC0415  (JAX must start after XLA_FLAGS)
-  from train.preempt import Stopped  # noqa: PLC0415
-  from train.rundir import RunDirectoryError  # noqa: PLC0415
-
-  if isinstance(err, Stopped):
-    return err.exit_status
-  if isinstance(err, FloatingPointError):
-    return 1
-  if isinstance(err, (RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
-    return 2
-  if isinstance(err, (ValueError, FileNotFoundError)) and _raised_here(err):
-    return 2
-  return None
-
-
-def _raised_here(err):
-  """True when this project raised err itself (its message is written for users), not JAX or a library below."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  raiser = pathlib.Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
-  return any(raiser.is_relative_to(root / package) for package in ("train", "models", "relaymoe_jax"))
+  run_cli("relaymoe-train", _parse(sys.argv[1:] if argv is None else argv), _main)
 
 
 def _start(args, overrides):
   """JAX started (emulated CPU devices, distributed), and the run config with `overrides` applied."""
-  # Only the CPU platform reads this; on GPUs it changes nothing. It must be set before JAX starts.
+  # Only the CPU platform reads this; on GPUs it changes nothing. XLA reads it when JAX's backends start (at the
+  # first device query, not at import): nothing before this line may ask for a device.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
-  import jax  # noqa: PLC0415
-
-  _start_distributed(args, jax)
-  from train.config import load_run_config  # noqa: PLC0415
+  _start_distributed(args)
 
   if args.out:
     overrides.append(f"out_dir={json.dumps(args.out)}")  # quoted: YAML would read --out 2024 as a number
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
-  return jax, config
+  return config
 
 
 def _main(args):
   overrides = list(args.overrides)
   if args.steps is not None:
     overrides.append(f"steps={args.steps}")
-  jax, config = _start(args, overrides)
-  from train.loop import memory_plan, run  # noqa: PLC0415
+  config = _start(args, overrides)
 
   if args.compile_only:
     _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
@@ -176,20 +141,19 @@ def _parse_plan(argv):
 
 def plan_main(argv=None):
   """`relaymoe-plan`: prints the side-by-side plan table and writes OUT/plan.json."""
-  _run_cli("relaymoe-plan", _parse_plan(sys.argv[1:] if argv is None else argv), _plan)
+  run_cli("relaymoe-plan", _parse_plan(sys.argv[1:] if argv is None else argv), _plan)
 
 
 def _plan(args):
-  jax, config = _start(args, list(args.overrides))
-  from train import plan  # noqa: PLC0415
+  config = _start(args, list(args.overrides))
 
-  devices = plan.topology_devices(args.topology, args.target_config) if args.topology else None
+  devices = plan_search.topology_devices(args.topology, args.target_config) if args.topology else None
   quiet = jax.process_index() != 0
-  results = plan.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
+  results = plan_search.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
                         devices=devices, log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
-  table = plan.render(results)
+  table = plan_search.render(results)
   print(table)
   path = pathlib.Path(config.out_dir) / "plan.json"
   path.parent.mkdir(parents=True, exist_ok=True)

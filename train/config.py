@@ -3,7 +3,7 @@
 import dataclasses
 
 from models.config import from_mapping, override, parse_assignment, read_yaml
-from models.qwen3 import REMAT_POLICIES
+from models.qwen3_config import RUNTIME_FIELDS, RuntimeConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,10 +71,9 @@ class RunConfig:
   # "orbax:DIR" (`relaymoe-convert hf-to-orbax`'s output). The model config then comes from DIR (`model` is not
   # read), with model_overrides on top. "": random init.
   init_from: str = ""
-  dispatcher: str = ""  # overrides the model config's MoE dispatcher when set
-  # What backward recomputes in every layer (a `models.qwen3.REMAT_POLICIES` name), overriding the model config's;
-  # "auto": the cheapest plan that fits the device (`train.plan`), chosen at start and stored in run_config.json.
-  remat: str = ""
+  # How the model runs: dispatcher and its options, remat (per layer, or "auto": the cheapest plan that fits the
+  # device, chosen at start by `train.plan` and stored in run_config.json), compute dtype, sharding choices.
+  runtime: RuntimeConfig = RuntimeConfig()
   device_memory_gib: float = 0.0  # per device, for the fit check and `remat: auto`; 0 = the allocator's limit
   # Of that limit, kept free for what XLA's buffer assignment leaves out. On an H200 the compiled step's bytes equal
   # the measured peak (four steps, to 0.01 GiB) and steps at 99.4% of the limit trained: see docs/memory.md.
@@ -104,21 +103,33 @@ class RunConfig:
         raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
     if self.steps < 0:
       raise ValueError(f"steps={self.steps} must be ≥ 0")
-    if self.remat not in ("", "auto", *REMAT_POLICIES):
-      raise ValueError(f"remat={self.remat!r} must be auto or one of {list(REMAT_POLICIES)} (or empty: the "
-                       "model config's)")
     if self.init_from and not self.init_from.startswith(INIT_SOURCES):
       raise ValueError(f"init_from={self.init_from!r} must start with one of {list(INIT_SOURCES)} (or be empty)")
     if not 0 <= self.memory_headroom < 1:
       raise ValueError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
 
 
+# Keys that were the run's or the model config's before `runtime` held them, and where they are now.
+MOVED = {"dispatcher": "runtime.dispatcher", "remat": "runtime.remat",
+         **{f"model.{key}": f"runtime.{key}" for key in RUNTIME_FIELDS}}
+
+
 def load_run_config(path_or_name="default", overrides=()):
   """A run config from YAML (a path, or a name under configs/runs/), then `key=value` overrides.
 
-  `model.KEY=VALUE` sets a model-config key (checked when the model config is built).
+  `model.KEY=VALUE` sets a model-config key (checked when the model config is built); `runtime.KEY=VALUE` how the
+  model runs.
   """
-  config = from_mapping(RunConfig, read_yaml(path_or_name, "runs"), f"run config {path_or_name}")
+  data = read_yaml(path_or_name, "runs")
+  _refuse_moved([*data, *(f"model.{k}" for k in data.get("model_overrides") or {}),
+                 *(a.split("=", 1)[0] for a in overrides)], path_or_name)
+  config = from_mapping(RunConfig, data, f"run config {path_or_name}")
   config = override(config, [a for a in overrides if not a.startswith("model.")])
   model_keys = dict(parse_assignment(a[len("model."):]) for a in overrides if a.startswith("model."))
   return dataclasses.replace(config, model_overrides={**config.model_overrides, **model_keys})
+
+
+def _refuse_moved(keys, where):
+  moved = {k: MOVED[k] for k in keys if k in MOVED}
+  if moved:
+    raise ValueError(f"run config {where}: " + ", ".join(f"{old} is now {new}" for old, new in moved.items()))

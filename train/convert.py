@@ -1,10 +1,10 @@
-"""Weights in and out: the trainer's `init_from` sources and `relaymoe-convert`.
+"""`relaymoe-convert`: weights in and out (the trainer's own `init_from` reads them: `train.sources`).
 
     relaymoe-convert hf-to-orbax HF_DIR OUT_DIR [model.KEY=VALUE ...] [mesh.AXIS=N ...]
     relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [mesh.AXIS=N ...]
 
 `hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf`, shard by shard into the sharded
-layout) and writes OUT_DIR/model.yaml (the model config) and OUT_DIR/params (an orbax checkpoint of the parameters),
+layout) and writes OUT_DIR/model.yaml (the architecture) and OUT_DIR/params (an orbax checkpoint of the parameters),
 which the trainer starts from with `init_from=orbax:OUT_DIR` and which restores in parallel on every host.
 `orbax-to-hf` writes a Hugging Face directory (per-expert layout, `config.json`) from such a directory or from a
 training run (`--out` of `relaymoe-train`: its run_config.json and the newest checkpoint that reads, or `--step`).
@@ -13,7 +13,6 @@ while they pass through.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -22,61 +21,17 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 import yaml
-from flax import nnx
 
-from models import qwen3
-from models.config import from_mapping, override, parse_assignment
-from train.cli import _run_cli
-from train.config import MeshConfig, RunConfig
+from models.config import override, parse_assignment
+from models.hf import to_hf
+from train.checkpoints import Checkpoints
+from train.compile import abstract_train_state
+from train.config import MeshConfig
+from train.errors import run_cli
+from train.mesh import build_mesh
+from train.sources import (CONVERTED_RUNTIME, MODEL_YAML, PARAMS, initial_params, model_from_params,
+                           read_model_yaml, restore_params, source_config, stored_run, write_model_yaml)
 from train.step import make_optimizer
-
-MODEL_YAML = "model.yaml"
-PARAMS = "params"
-
-
-def model_config_from(init_from, overrides):
-  """The model config of an `init_from` source ("hf:DIR" or "orbax:DIR") with `overrides` on top."""
-  kind, path = _source(init_from)
-  if kind == "hf":
-    return qwen3.config_from_hf(path, **overrides)
-  return qwen3.load_config(str(path / MODEL_YAML), **overrides)
-
-
-def initial_params(init_from, overrides, model_config, mesh):
-  """The parameters (a pure dict, each array with the model's sharding) of an `init_from` source."""
-  kind, path = _source(init_from)
-  if kind == "hf":
-    return nnx.to_pure_dict(nnx.split(qwen3.from_hf(path, mesh=mesh, **overrides))[1])
-  return _restore_params(path / PARAMS, model_config, mesh)
-
-
-def _source(init_from):
-  kind, _, path = init_from.partition(":")
-  path = pathlib.Path(path).expanduser()
-  expected = "config.json" if kind == "hf" else MODEL_YAML
-  if not (path / expected).exists():
-    raise FileNotFoundError(f"init_from={init_from!r}: no {expected} in {path}")
-  return kind, path
-
-
-def _restore_params(path, model_config, mesh):
-  abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh)[1])
-  with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(path.absolute(), abstract)
-
-
-def model_from_params(model_config, mesh, params):
-  """The model with `params` (a pure dict) as its parameters."""
-  graphdef, state = qwen3.abstract(model_config, mesh)
-  nnx.replace_by_pure_dict(state, params)
-  return nnx.merge(graphdef, state)
-
-
-def write_model_yaml(model_config, path):
-  data = dataclasses.asdict(model_config)
-  data["dispatcher_options"] = dict(model_config.dispatcher_options)
-  data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-  path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
@@ -86,8 +41,8 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   if (out_dir / PARAMS).exists():
     raise ValueError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
   init_from = f"hf:{hf_dir}"
-  config = model_config_from(init_from, overrides)
-  params = initial_params(init_from, overrides, config, mesh)
+  config, _ = source_config(init_from, overrides)
+  params = initial_params(init_from, config, CONVERTED_RUNTIME, mesh)
   out_dir.mkdir(parents=True, exist_ok=True)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(out_dir / PARAMS, params)
@@ -107,36 +62,28 @@ def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
   if (source / MODEL_YAML).exists():
     if step is not None:
       raise ValueError(f"--step: {source} holds one set of parameters, not a run's checkpoints")
-    config = qwen3.load_config(str(source / MODEL_YAML))
-    params = _restore_params(source / PARAMS, config, mesh)
+    config, runtime = read_model_yaml(source / MODEL_YAML)
+    params = restore_params(source / PARAMS, config, runtime, mesh, runtime)
   elif (source / "run_config.json").exists():
-    config, params = _run_params(source, mesh, step)
+    config, runtime, params = _run_params(source, mesh, step)
   else:
     raise FileNotFoundError(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
                             "(run_config.json)")
-  qwen3.to_hf(model_from_params(config, mesh, params), hf_dir, dtype=dtype)
+  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype)
   return config
 
 
 def _run_params(run_dir, mesh, step):
-  """(model config, parameters) of a training run's newest checkpoint that reads (or `step`)."""
-  from train.loop import Checkpoints, abstract_train_state  # noqa: PLC0415
-
-  stored = json.loads((run_dir / "run_config.json").read_text())
-  run = from_mapping(RunConfig, stored["run"], f"{run_dir}/run_config.json")
-  model = stored["model"]
-  model["dispatcher_options"] = dict(model["dispatcher_options"])
-  config = from_mapping(qwen3.Qwen3MoEConfig, model, f"{run_dir}/run_config.json model")
+  """(architecture, runtime, parameters) of a training run's newest checkpoint that reads (or `step`)."""
+  run, config = stored_run(run_dir)
   optimizer, _ = make_optimizer(run.optim, run.steps)
-  _, abstract = abstract_train_state(config, mesh, optimizer)
+  _, abstract = abstract_train_state(config, run.runtime, mesh, optimizer)
   with Checkpoints(run_dir / "checkpoints", run.keep_checkpoints) as checkpoints:
     state, _ = checkpoints.restore(abstract, step=step)
-  return config, state.params
+  return config, run.runtime, state.params
 
 
 def _mesh(assignments, num_experts):
-  from train.loop import build_mesh  # noqa: PLC0415
-
   mesh = build_mesh(override(MeshConfig(), [a[len("mesh."):] for a in assignments]))
   if num_experts % mesh.shape["expert"]:
     raise ValueError(f"{num_experts} experts do not split over mesh.expert={mesh.shape['expert']} "
@@ -172,7 +119,7 @@ def _parse(argv):
 
 
 def main(argv=None):
-  _run_cli("relaymoe-convert", _parse(sys.argv[1:] if argv is None else argv), _convert)
+  run_cli("relaymoe-convert", _parse(sys.argv[1:] if argv is None else argv), _convert)
 
 
 def _convert(args):
@@ -183,7 +130,7 @@ def _convert(args):
   mesh_assignments = [a for a in args.overrides if a.startswith("mesh.")]
   if args.command == "hf-to-orbax":
     _check_hf_dir(args.hf_dir)
-    experts = model_config_from(f"hf:{args.hf_dir}", model_overrides).num_experts
+    experts = source_config(f"hf:{args.hf_dir}", model_overrides)[0].num_experts
     config = hf_to_orbax(args.hf_dir, args.out_dir, model_overrides, _mesh(mesh_assignments, experts))
     print(f"wrote {args.out_dir}/{MODEL_YAML} and {args.out_dir}/{PARAMS} ({config.num_hidden_layers} layers); "
           f"train from it with init_from=orbax:{args.out_dir}")

@@ -2,7 +2,7 @@
 step's memory, and the longest sequence or largest micro-batch that fits.
 
 Every number comes from XLA's buffer assignment of the real train step compiled from shapes alone
-(`train.loop.memory_plan`: nothing is allocated). The plan starts from the most frugal choice for every layer
+(`train.compile.memory_plan`: nothing is allocated). The plan starts from the most frugal choice for every layer
 (`offload` where the device has host memory to offload to, else `layer`), compiles the step once per uniform
 policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
 until the budget is spent, as the paper does; the chosen plan is compiled once more to confirm it fits (and
@@ -14,14 +14,17 @@ one compile more, a quarter of the MoE backward's matmuls fewer.
 
 import dataclasses
 import functools
-import math
 
 import jax
 
-from models import qwen3
-from relaymoe_jax.ring import default_chunk_rows
+from models.qwen3_config import REMAT_AUTO
+from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.chunks import default_chunk_rows
+from train.compile import StepDoesNotFit, compile_step, device_limit_bytes, memory_plan
 from train.config import RunConfig
-from train.loop import build_mesh, compile_step, log_on_process_0, memory_plan, model_config_for
+from train.mesh import build_mesh, token_shards
+from train.metrics import log_on_process_0, peak_tflops
+from train.sources import model_config_for
 from train.step import layer_forward_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
@@ -51,24 +54,15 @@ def policies(devices=None):
   return FRUGAL_FIRST if offload_supported(devices) else FRUGAL_FIRST[1:]
 
 
-def device_limit_bytes(run_config: RunConfig):
-  """The memory a step may use per device: `device_memory_gib` if set, else the allocator's limit (GPU), else
-  None (CPU devices report none)."""
-  if run_config.device_memory_gib:
-    return int(run_config.device_memory_gib * 2**30)
-  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
-  return min(limits) if all(limits) else None
-
-
 def with_remat(run_config, remat, max_chunk_rows=None, keep_gate_up=False):
   """The run with every layer's policy set (a name for all layers, or one per layer) and, if given, the ring's
   chunks capped and its gate/up projections kept for the backward."""
-  overrides = {**run_config.model_overrides, "remat": remat}
+  runtime = run_config.runtime
   ring = {**({"max_chunk_rows": max_chunk_rows} if max_chunk_rows else {}),
           **({"keep_gate_up": True} if keep_gate_up else {})}
-  if ring:
-    overrides["dispatcher_options"] = {**dict(model_config_for(run_config).dispatcher_options), **ring}
-  return dataclasses.replace(run_config, remat="", model_overrides=overrides)
+  options = {**dict(runtime.dispatcher_options), **ring}
+  return dataclasses.replace(run_config, runtime=dataclasses.replace(runtime, remat=remat,
+                                                                     dispatcher_options=options))
 
 
 def apply_plan(run_config, plan):
@@ -80,22 +74,22 @@ def apply_plan(run_config, plan):
 def keeps_gate_up(run_config):
   """Whether the run's expert ring could keep its gate/up projections for the backward: a dispatcher that runs
   `RingExpert` (or may: `auto`) with the recomputing backward, and no choice of the user's about it."""
-  model = model_config_for(run_config)
-  options = dict(model.dispatcher_options)
-  return ((run_config.dispatcher or model.dispatcher) in ("ring_expert", "auto") and "keep_gate_up" not in options
+  runtime = run_config.runtime
+  options = dict(runtime.dispatcher_options)
+  return (runtime.dispatcher in ("ring_expert", "auto") and "keep_gate_up" not in options
           and options.get("recompute", True))
 
 
 def caps_chunks(run_config, devices=None):
   """Whether FRUGAL_CHUNK_ROWS would shrink this run's chunks: a ring whose chunk sizes the user left to the
   dispatcher, with a hop's balanced share of pairs above the cap."""
-  model = model_config_for(run_config)
-  options = dict(model.dispatcher_options)
-  if (run_config.dispatcher or model.dispatcher) not in RINGS or {"chunk_rows", "max_chunk_rows"} & set(options):
+  runtime = run_config.runtime
+  if runtime.dispatcher not in RINGS or {"chunk_rows", "max_chunk_rows"} & set(dict(runtime.dispatcher_options)):
     return False
   mesh = build_mesh(run_config.mesh, devices)
-  tokens = run_config.batch_size * run_config.seq_len // math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
-  ladder = functools.partial(default_chunk_rows, tokens, model.num_experts_per_tok, mesh.shape["expert"])
+  tokens = run_config.batch_size * run_config.seq_len // token_shards(mesh)
+  top_k = model_config_for(run_config).num_experts_per_tok
+  ladder = functools.partial(default_chunk_rows, tokens, top_k, mesh.shape[EXPERT])
   return ladder(FRUGAL_CHUNK_ROWS) != ladder()
 
 
@@ -240,11 +234,11 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     c = model_config_for(run)
     mesh = build_mesh(run.mesh, self.devices)
-    tokens = run.batch_size * run.seq_len / math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
+    tokens = run.batch_size * run.seq_len / token_shards(mesh)
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
                                                                     for i in range(c.num_hidden_layers))))
-    peak = _peak_flops(run, self.devices)
-    layer_input_bytes = tokens * c.hidden_size * jax.numpy.dtype(c.dtype).itemsize
+    peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
+    layer_input_bytes = tokens * c.hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
     recompute_layer = tokens * (attention + mlp) / peak
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
             "offload": recompute_layer + 2 * layer_input_bytes / HOST_LINK_BYTES_PER_S}
@@ -259,8 +253,9 @@ class Planner:
   def maximize(self, key, granule, upgrade=True):
     """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
     plan (without `upgrade`: every layer at the most frugal policy, which saves the compiles of the uniform
-    policies; at the limit the slack is below one search step's bytes anyway). Secant steps on the (nearly linear) bytes-against-size curve until the bracket is one step wide: a
-    granule, or 1/32 of the size when that is more. Returns (plan or None, the smallest size found not to fit)."""
+    policies; at the limit the slack is below one search step's bytes anyway). Secant steps on the (nearly linear)
+    bytes-against-size curve until the bracket is one step wide: a granule, or 1/32 of the size when that is more.
+    Returns (plan or None, the smallest size found not to fit)."""
     frugal = policies(self.devices)[0]
     self.cap = True  # the longest sequence needs the ring's most frugal chunks too
     sizes = {}
@@ -314,19 +309,11 @@ def _step_back(remat, choices):
   return tuple(sorted(remat, key=choices.index))
 
 
-def _peak_flops(run, devices=None):
-  from train.loop import PEAK_TFLOPS  # noqa: PLC0415
-  if run.peak_tflops_per_device:
-    return run.peak_tflops_per_device * 1e12
-  kind = (devices or jax.devices())[0].device_kind
-  return 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in kind), 1.0)
-
-
 def budget_bytes(run_config, limit):
   return int(limit * (1 - run_config.memory_headroom))
 
 
-def _planner(run_config, log=print, devices=None, keep_steps=False):
+def make_planner(run_config, log=print, devices=None, keep_steps=False):
   limit = device_limit_bytes(run_config)
   if limit is None:
     raise ValueError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
@@ -337,24 +324,28 @@ def _planner(run_config, log=print, devices=None, keep_steps=False):
 def resolve_remat(run_config):
   """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep);
   other runs unchanged, with None for both."""
-  if run_config.remat != "auto":
+  if run_config.runtime.remat != REMAT_AUTO:
     return run_config, None, None
-  from train.loop import StepDoesNotFit  # noqa: PLC0415
-  planner = _planner(run_config, log=log_on_process_0, keep_steps=True)
+  planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
   plan = planner.plan()
   if not plan.fits:
-    raise StepDoesNotFit(f"remat=auto: even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} "
-                         f"GiB per device, over the budget of {plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
+    raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
+                         f"{plan.total_bytes / 2**30:.2f} GiB per device, over the budget of "
+                         f"{plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
                     f"{plan.budget_bytes / 2**30:.2f})")
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
 
 
+def _quiet(*_):
+  pass
+
+
 def suggest(run_config):
   """What the planner would change so that the run fits, in one sentence (it compiles a few variants)."""
-  plan = _planner(run_config, log=lambda *_: None).plan()
+  plan = make_planner(run_config, log=_quiet).plan()
   if plan.fits:
-    return (f"With remat=auto it fits: {plan.summary()}, {plan.total_bytes / 2**30:.2f} GiB per device "
+    return (f"With runtime.remat=auto it fits: {plan.summary()}, {plan.total_bytes / 2**30:.2f} GiB per device "
             f"(`relaymoe-plan` prints the plan).")
   return (f"Even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} GiB per device. "
           f"{_search_hint()}")
@@ -363,71 +354,3 @@ def suggest(run_config):
 def _search_hint():
   return ("`relaymoe-plan --config RUN --maximize seq` (or batch) finds the longest sequence (largest micro-batch) "
           "that fits.")
-
-
-# The dispatchers `relaymoe-plan` puts side by side: the run's ring and the two all-to-alls a JAX user has.
-VARIANTS = {"ring": None, "a2a_dropless": {}, "a2a_cf1": {"capacity_factor": 1.0}}
-
-
-def variant_config(run_config, name):
-  """The run under one of VARIANTS: `ring` keeps the run's dispatcher if it is a ring (else ring_expert); the
-  all-to-alls keep only the grouped-matmul backend of the run's dispatcher options."""
-  if name not in VARIANTS:
-    raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
-  model = model_config_for(run_config)
-  dispatcher = run_config.dispatcher or model.dispatcher
-  if VARIANTS[name] is None:
-    return dataclasses.replace(run_config, dispatcher=dispatcher if dispatcher.startswith(("ring", "auto"))
-                               else "ring_expert")
-  backend = {k: v for k, v in model.dispatcher_options if k == "backend"}
-  return dataclasses.replace(run_config, dispatcher="all_to_all", model_overrides={
-      **run_config.model_overrides, "dispatcher_options": {**backend, **VARIANTS[name]}})
-
-
-def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
-           upgrade=True):
-  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at micro-batch 1 per
-  token shard, or (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
-  {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
-  results = {}
-  mesh = build_mesh(run_config.mesh, devices)
-  token_shards = math.prod(mesh.shape[a] for a in qwen3.TOKEN_AXES)
-  for name in variants:
-    config = variant_config(run_config, name)
-    log(f"{name} ({config.dispatcher}):")
-    if maximize == "seq":
-      planner = _planner(dataclasses.replace(config, batch_size=token_shards), log, devices)
-      plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
-    elif maximize == "batch":
-      planner = _planner(config, log, devices)
-      plan, above = planner.maximize("batch_size", (granule or 1) * token_shards, upgrade)
-    else:
-      plan, above = _planner(config, log, devices).plan(), None
-    results[name] = dict(dispatcher=config.dispatcher, plan=plan, not_fitting=above,
-                         options=dict(config.model_overrides.get("dispatcher_options", {})))
-  return results
-
-
-def render(results, maximize=None):
-  """The side-by-side table of `search`'s results."""
-  gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-  lines = ["| variant | dispatcher | batch | seq_len | remat | state GiB | temporaries GiB | total GiB | budget GiB "
-           "| fits | not fitting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-  for name, r in results.items():
-    p = r["plan"]
-    if p is None:
-      lines.append(f"| {name} | {r['dispatcher']} | — | — | nothing fits | | | | | no | {r['not_fitting']} |")
-      continue
-    lines.append(f"| {name} | {r['dispatcher']} | {p.batch_size} | {p.seq_len} | {p.summary()} | "
-                 f"{gib(p.state_bytes)} | {gib(p.temp_bytes)} | {gib(p.total_bytes)} | {gib(p.budget_bytes)} | "
-                 f"{'yes' if p.fits else 'no'} | {r['not_fitting'] or '—'} |")
-  return "\n".join(lines)
-
-
-def topology_devices(topology, target_config=None):
-  """Compile-only devices of a GPU host this machine is not (`topology` "1x1x8": slices x hosts x GPUs per host,
-  of this machine's GPU kind unless `target_config`, a GpuTargetConfigProto text file, says otherwise): the step
-  is compiled for them and never run."""
-  from jax.experimental import topologies  # noqa: PLC0415
-  kwargs = dict(target_config=open(target_config).read()) if target_config else {}
-  return topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs).devices

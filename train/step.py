@@ -27,7 +27,10 @@ def make_optimizer(optim, total_steps):
   warmup_cosine = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=optim.learning_rate, warmup_steps=max(optim.warmup_steps, 1),
       decay_steps=max(total_steps, optim.warmup_steps + 1), end_value=optim.learning_rate * optim.min_lr_ratio)
-  schedule = lambda step: warmup_cosine(step + 1)  # noqa: E731
+
+  def schedule(step):
+    return warmup_cosine(step + 1)
+
   return optax.chain(
       optax.clip_by_global_norm(optim.grad_clip),
       optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,

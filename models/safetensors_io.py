@@ -1,0 +1,86 @@
+"""Reading safetensors files slice by slice: the tensors of a directory (one file, or shards named by
+`model.safetensors.index.json`) by key, each read as the NumPy slice asked for (bfloat16 included), nothing kept
+open and no file read whole."""
+
+import dataclasses
+import json
+import pathlib
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  file: pathlib.Path
+  dtype: str
+  shape: tuple
+  begin: int  # absolute byte offset of the tensor's data in `file`
+
+
+class Checkpoint:
+  """The tensors of a directory of safetensors files, by key, read slice by slice (nothing is kept open)."""
+
+  def __init__(self, hf_dir):
+    hf_dir = pathlib.Path(hf_dir)
+    index = hf_dir / INDEX_FILE
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      files = sorted({hf_dir / f for f in weight_map.values()})
+      absent = [str(f) for f in files if not f.exists()]
+      if absent:
+        raise ValueError(f"{index} names file(s) that do not exist: {absent}")
+    else:
+      files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+      raise ValueError(f"{hf_dir}: no *.safetensors files")
+    self.entries = {}
+    for file in files:
+      for key, entry in _read_header(file).items():
+        if key in self.entries:
+          raise ValueError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
+        self.entries[key] = entry
+
+  def where(self, key):
+    return f"{key!r} (in {self.entries[key].file.name})"
+
+  def read(self, key, index):
+    """tensor `key`[index] as a NumPy array; `index` a tuple of step-1 slices, one per axis."""
+    entry = self.entries[key]
+    if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
+      return _read_raw(entry, index)
+    if entry.dtype not in _SAFETENSORS_DTYPES:
+      raise ValueError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
+    with safe_open(entry.file, framework="numpy") as f:
+      return f.get_slice(key)[index]
+
+
+def _read_header(file):
+  with open(file, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+  header.pop("__metadata__", None)
+  return {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
+          for key, h in header.items()}
+
+
+def _read_raw(entry, index):
+  """Reads the rows of index[0] (contiguous bytes), then takes the rest of the index in memory."""
+  dtype = np.dtype(_SAFETENSORS_DTYPES[entry.dtype])
+  if not entry.shape:
+    index = ()
+  rows = index[0] if index else slice(0, 1)
+  row_items = int(np.prod(entry.shape[1:], dtype=np.int64))
+  with open(entry.file, "rb") as f:
+    f.seek(entry.begin + rows.start * row_items * dtype.itemsize)
+    data = f.read((rows.stop - rows.start) * row_items * dtype.itemsize)
+  array = np.frombuffer(data, dtype).reshape((rows.stop - rows.start,) + entry.shape[1:])
+  return array[(slice(None),) + tuple(index[1:])] if entry.shape else array.reshape(())

@@ -1,0 +1,142 @@
+"""The train step compiled from shapes alone, before anything is allocated: its memory per device, and the fit
+guard that refuses a step the device cannot hold."""
+
+import math
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import relaymoe_jax as rm
+from models import qwen3
+from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
+from models.sharding import TOKEN_AXES
+from train.config import RunConfig
+from train.mesh import run_mesh
+from train.metrics import log_on_process_0
+from train.sources import model_config_for
+from train.step import TrainState, make_optimizer, make_train_step
+
+
+def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh):
+  return jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
+                 out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
+
+
+def abstract_train_state(model_config, runtime, mesh, optimizer, seed=0):
+  """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
+  allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
+  graphdef, state = qwen3.abstract(model_config, mesh, seed, runtime=runtime)
+  params = nnx.to_pure_dict(state)
+  param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
+  replicated = NamedSharding(mesh, P())
+
+  def like_its_parameter(path, leaf):
+    key = jax.tree_util.keystr(path)
+    owner = max((p for p in param_shardings if key.endswith(p)), key=len, default=None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_shardings[owner] if owner else replicated)
+
+  opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, jax.eval_shape(optimizer.init, params))
+  return graphdef, TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+
+
+class CompiledStep(NamedTuple):
+  """The train step compiled from shapes alone, before anything is allocated."""
+
+  compiled: jax.stages.Compiled
+  graphdef: nnx.GraphDef
+  state: TrainState  # ShapeDtypeStructs with the shardings the real state gets
+  mesh: jax.sharding.Mesh
+  model_config: Qwen3MoEConfig
+  runtime: RuntimeConfig
+  compile_s: float
+
+
+def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
+  """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
+  --topology`): nothing runs."""
+  mesh = run_mesh(run_config, devices)
+  model_config = model_config_for(run_config)
+  optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
+  graphdef, state = abstract_train_state(model_config, run_config.runtime, mesh, optimizer, run_config.seed)
+  step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),
+                           mesh)
+  batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
+                               sharding=NamedSharding(mesh, P(TOKEN_AXES, None)))
+  start = time.perf_counter()
+  compiled = step_fn.lower(state, batch).compile()
+  return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,
+                      time.perf_counter() - start)
+
+
+def memory_plan(run_config: RunConfig, step: CompiledStep | None = None, devices=None):
+  """Compiles the train step from shapes alone (no parameter is made) and returns its per-device memory in bytes:
+  the training state (parameters and optimizer moments, exact), XLA's compiled temporaries and the total
+  (arguments + outputs + temporaries − donated), with the device's allocator limit where it reports one (GPU) and
+  the compile time. Whether a configuration fits, before it allocates anything (`relaymoe-train --compile-only`)."""
+  step = step or compile_step(run_config, devices)
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  return dict(
+      devices=jax.device_count(), mesh=dict(step.mesh.shape), layers=step.model_config.num_hidden_layers,
+      batch_size=run_config.batch_size, seq_len=run_config.seq_len, remat=step.runtime.remat,
+      compile_s=step.compile_s,
+      state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                      for x in jax.tree.leaves(step.state)),
+      temp_bytes=int(step.compiled.memory_analysis().temp_size_in_bytes),
+      total_bytes=rm.compiled_bytes(step.compiled), device_limit_bytes=min(limits) if all(limits) else None)
+
+
+class StepDoesNotFit(RuntimeError):
+  """The compiled train step needs more memory per device than the device has."""
+
+
+def device_limit_bytes(run_config: RunConfig):
+  """The memory a step may use per device: `device_memory_gib` if set, else the allocator's limit (GPU), else
+  None (CPU devices report none)."""
+  if run_config.device_memory_gib:
+    return int(run_config.device_memory_gib * 2**30)
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  return min(limits) if all(limits) else None
+
+
+def gib(n):
+  return f"{n / 2**30:.2f} GiB"
+
+
+def check_fits(run_config: RunConfig, step: CompiledStep, suggest=None):
+  """Raises StepDoesNotFit, with the numbers (and `suggest(run_config)`: what would fit), when the compiled step's
+  bytes exceed the device's limit (`device_memory_gib`, else the allocator's; no limit known: no check)."""
+  limit = device_limit_bytes(run_config)
+  plan = memory_plan(run_config, step)
+  if limit is not None and plan["total_bytes"] > GROWING_ALLOCATOR_SAFE * limit and allocator_grows_on_demand():
+    log_on_process_0(
+        f"warning: the train step needs {gib(plan['total_bytes'])} of the {gib(limit)} allowed per device, and "
+        "with XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows region by region: the step's temporaries "
+        f"({gib(plan['temp_bytes'])}, one block) may find no contiguous range and fail to allocate. Unset it to "
+        "take the memory up front (docs/memory.md).")
+  if limit is None or plan["total_bytes"] <= limit:
+    return plan
+  raise StepDoesNotFit(
+      f"the train step needs {gib(plan['total_bytes'])} per device (training state {gib(plan['state_bytes'])}, "
+      f"temporaries {gib(plan['temp_bytes'])}) and the device allows {gib(limit)}: batch_size="
+      f"{run_config.batch_size} seq_len={run_config.seq_len} remat={_remat_name(step.runtime.remat)} "
+      f"does not fit." + (f" {suggest(run_config)}" if suggest else ""))
+
+
+# With the allocator growing on demand, the ring's 4-layer step at 96.6% of an H200's limit failed to allocate its
+# temporaries (`capacity` run 5, benchmarks/results/RUNS.md); steps under 90% have not been seen to.
+GROWING_ALLOCATOR_SAFE = 0.9
+
+
+def allocator_grows_on_demand():
+  """JAX's GPU allocator without its memory taken up front (XLA_PYTHON_CLIENT_PREALLOCATE=false)."""
+  grows = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0")
+  return grows and jax.default_backend() == "gpu"
+
+
+def _remat_name(remat):
+  return remat if isinstance(remat, str) else ",".join(remat)

@@ -1,0 +1,51 @@
+"""The run's device mesh ('data' × 'expert' × 'tensor') and the batch placed on it."""
+
+import math
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from models.sharding import MESH_AXES, TOKEN_AXES
+
+
+def build_mesh(mesh_config, devices=None):
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = [getattr(mesh_config, a) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices cannot be split as {dict(zip(MESH_AXES, sizes))}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices; there are "
+                     f"{len(devices)}")
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def token_shards(mesh):
+  """How many ways the batch is split: data × expert."""
+  return math.prod(mesh.shape[a] for a in TOKEN_AXES)
+
+
+def run_mesh(run_config, devices=None):
+  """The run's mesh, checked to split its batch: each token shard (data × expert) takes whole sequences."""
+  mesh = build_mesh(run_config.mesh, devices)
+  shards = token_shards(mesh)
+  if run_config.batch_size % shards:
+    raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} token shards "
+                     f"({' × '.join(f'{a}={mesh.shape[a]}' for a in TOKEN_AXES)}); use a multiple of {shards}")
+  return mesh
+
+
+def global_batch(tokens, mesh):
+  """The same global numpy batch on every process → one global array split over the token axes."""
+  sharding = NamedSharding(mesh, P(TOKEN_AXES, None))
+  return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def on_mesh(tree, mesh):
+  """Every leaf on the mesh: sharded leaves keep their sharding, the rest (step counters) are replicated."""
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)

@@ -1,0 +1,78 @@
+"""`relaymoe-plan`'s search: per dispatcher variant side by side (the run's ring, dropless and capacity-1.0
+all-to-all), the plan at the run's shape or the longest sequence / largest batch that fits, compiled for this
+machine's devices or for a GPU host it is not (`topology_devices`)."""
+
+import dataclasses
+
+from jax.experimental import topologies
+
+from train.mesh import build_mesh, token_shards
+from train.plan import make_planner
+
+
+def _gib(n):
+  return f"{n / 2**30:.2f}"
+
+
+# The dispatchers `relaymoe-plan` puts side by side: the run's ring and the two all-to-alls a JAX user has.
+VARIANTS = {"ring": None, "a2a_dropless": {}, "a2a_cf1": {"capacity_factor": 1.0}}
+
+
+def variant_config(run_config, name):
+  """The run under one of VARIANTS: `ring` keeps the run's dispatcher if it is a ring (else ring_expert); the
+  all-to-alls keep only the grouped-matmul backend of the run's dispatcher options."""
+  if name not in VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
+  runtime = run_config.runtime
+  if VARIANTS[name] is None:
+    ring = runtime.dispatcher if runtime.dispatcher.startswith(("ring", "auto")) else "ring_expert"
+    return dataclasses.replace(run_config, runtime=dataclasses.replace(runtime, dispatcher=ring))
+  backend = {k: v for k, v in runtime.dispatcher_options if k == "backend"}
+  return dataclasses.replace(run_config, runtime=dataclasses.replace(
+      runtime, dispatcher="all_to_all", dispatcher_options={**backend, **VARIANTS[name]}))
+
+
+def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
+           upgrade=True):
+  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at micro-batch 1 per
+  token shard, or (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
+  {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
+  results = {}
+  shards = token_shards(build_mesh(run_config.mesh, devices))
+  for name in variants:
+    config = variant_config(run_config, name)
+    log(f"{name} ({config.runtime.dispatcher}):")
+    if maximize == "seq":
+      planner = make_planner(dataclasses.replace(config, batch_size=shards), log, devices)
+      plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
+    elif maximize == "batch":
+      planner = make_planner(config, log, devices)
+      plan, above = planner.maximize("batch_size", (granule or 1) * shards, upgrade)
+    else:
+      plan, above = make_planner(config, log, devices).plan(), None
+    results[name] = dict(dispatcher=config.runtime.dispatcher, plan=plan, not_fitting=above,
+                         options=dict(config.runtime.dispatcher_options))
+  return results
+
+
+def render(results, maximize=None):
+  """The side-by-side table of `search`'s results."""
+  lines = ["| variant | dispatcher | batch | seq_len | remat | state GiB | temporaries GiB | total GiB | budget GiB "
+           "| fits | not fitting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, r in results.items():
+    p = r["plan"]
+    if p is None:
+      lines.append(f"| {name} | {r['dispatcher']} | — | — | nothing fits | | | | | no | {r['not_fitting']} |")
+      continue
+    lines.append(f"| {name} | {r['dispatcher']} | {p.batch_size} | {p.seq_len} | {p.summary()} | "
+                 f"{_gib(p.state_bytes)} | {_gib(p.temp_bytes)} | {_gib(p.total_bytes)} | {_gib(p.budget_bytes)} | "
+                 f"{'yes' if p.fits else 'no'} | {r['not_fitting'] or '—'} |")
+  return "\n".join(lines)
+
+
+def topology_devices(topology, target_config=None):
+  """Compile-only devices of a GPU host this machine is not (`topology` "1x1x8": slices x hosts x GPUs per host,
+  of this machine's GPU kind unless `target_config`, a GpuTargetConfigProto text file, says otherwise): the step
+  is compiled for them and never run."""
+  kwargs = dict(target_config=open(target_config).read()) if target_config else {}
+  return topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs).devices

@@ -1,0 +1,100 @@
+"""Where a run's model comes from: its architecture (the run's `model`, or an `init_from` source's) and, with
+`init_from`, its starting parameters: "hf:DIR" (a Hugging Face directory) or "orbax:DIR" (`relaymoe-convert
+hf-to-orbax`'s output: DIR/model.yaml and DIR/params). Also reads what earlier versions wrote: a `model.yaml` or a
+run's `run_config.json` whose model config still held how the model ran."""
+
+import dataclasses
+import json
+import pathlib
+
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from models import hf, qwen3
+from models.config import from_mapping, read_yaml
+from models.hf_config import config_from_hf
+from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, load_config, split_legacy
+from train.config import RunConfig
+
+MODEL_YAML = "model.yaml"
+PARAMS = "params"
+# How `relaymoe-convert hf-to-orbax` lays out DIR/params: consecutive layers of one kind stacked (the default
+# `runtime.scan_layers`). A model.yaml written before the runtime had its own config says its own.
+CONVERTED_RUNTIME = RuntimeConfig()
+
+
+def model_config_for(run: RunConfig) -> Qwen3MoEConfig:
+  """The architecture a run trains: its `model` (a name or a YAML path) or, with `init_from`, the source's; the
+  run's `model_overrides` on top. The one place a run's model config is made."""
+  if run.init_from:
+    return source_config(run.init_from, run.model_overrides)[0]
+  return load_config(run.model, **run.model_overrides)
+
+
+def source_config(init_from, overrides):
+  """(architecture, the runtime its parameters were laid out with) of an `init_from` source, `overrides` on top."""
+  kind, path = _source(init_from)
+  if kind == "hf":
+    return config_from_hf(path, **overrides), None
+  return read_model_yaml(path / MODEL_YAML, overrides)
+
+
+def read_model_yaml(path, overrides=None):
+  """(architecture, runtime of its params) from a converter's model.yaml; one written before the split also held
+  how the model ran, which is taken apart here."""
+  architecture, runtime = split_legacy(read_yaml(str(path), "models"))
+  config = from_mapping(Qwen3MoEConfig, {**architecture, **(overrides or {})}, str(path))
+  return config, from_mapping(RuntimeConfig, runtime, str(path)) if runtime else CONVERTED_RUNTIME
+
+
+def initial_params(init_from, model_config, runtime, mesh):
+  """The parameters (a pure dict, each array with the model's sharding) of an `init_from` source."""
+  kind, path = _source(init_from)
+  if kind == "hf":
+    return nnx.to_pure_dict(hf.load_params(model_config, mesh, path, runtime=runtime)[1])
+  _, stored = read_model_yaml(path / MODEL_YAML)
+  return restore_params(path / PARAMS, model_config, runtime, mesh, stored)
+
+
+def _source(init_from):
+  kind, _, path = init_from.partition(":")
+  path = pathlib.Path(path).expanduser()
+  expected = "config.json" if kind == "hf" else MODEL_YAML
+  if not (path / expected).exists():
+    raise FileNotFoundError(f"init_from={init_from!r}: no {expected} in {path}")
+  return kind, path
+
+
+def restore_params(path, model_config, runtime, mesh, stored=CONVERTED_RUNTIME):
+  """Parameters saved by `relaymoe-convert` (laid out as `stored` says) into the layout `runtime` asks for."""
+  if stored.scan_layers != runtime.scan_layers:
+    raise ValueError(f"{path} holds parameters laid out with runtime.scan_layers={stored.scan_layers}; run with "
+                     f"runtime.scan_layers={str(stored.scan_layers).lower()} to start from them")
+  abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh, runtime=runtime)[1])
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(pathlib.Path(path).absolute(), abstract)
+
+
+def model_from_params(model_config, runtime, mesh, params):
+  """The model with `params` (a pure dict) as its parameters."""
+  graphdef, state = qwen3.abstract(model_config, mesh, runtime=runtime)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def write_model_yaml(model_config, path):
+  data = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model_config).items()}
+  pathlib.Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def stored_run(run_dir):
+  """(RunConfig, architecture) a training run stored in its run_config.json, in either layout: with the run's
+  `runtime`, or from before it, when `dispatcher` and `remat` were the run's and the rest the model config's."""
+  where = f"{run_dir}/run_config.json"
+  stored = json.loads((pathlib.Path(run_dir) / "run_config.json").read_text())
+  run, (architecture, runtime) = dict(stored["run"]), split_legacy(stored["model"])
+  if "runtime" not in run:  # written before the split: the model's runtime fields are what ran
+    run = {k: v for k, v in run.items() if k not in ("dispatcher", "remat")}
+    run["runtime"] = runtime
+  return from_mapping(RunConfig, run, where), from_mapping(Qwen3MoEConfig, architecture, f"{where} model")
