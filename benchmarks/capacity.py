@@ -20,22 +20,19 @@ Writes JSON, a table whose last line is the summary, and a plot under benchmarks
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(REPO, "benchmarks", "results")
+from benchmarks import harness
+
 VARIANTS = ("ring", "a2a_dropless", "a2a_cf1")
-MEM_FRACTION = "0.95"  # of the GPU each process may allocate, as in benchmarks.moe_layer
 STEP_TIMEOUT_S = 420  # a confirming step (compiled beforehand) that has not finished by then is reported so
 
 
 def _env():
   # Several processes share the GPU while they compile: none may take its memory up front.
-  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION, **os.environ, "PYTHONUNBUFFERED": "1",
-          "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  return harness.child_env()
 
 
 def start_search(config, layers, variants, work, start_seq, granule, overrides=(), topology=None, quiet=False,
@@ -48,14 +45,15 @@ def start_search(config, layers, variants, work, start_seq, granule, overrides=(
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   for variant in variants:
     out = os.path.join(work, f"{topology or 'local'}_{layers}l_{variant}")
-    cmd = [sys.executable, "-c", "from train.cli import plan_main; plan_main()", "--config", config, "--maximize", "seq", "--no-upgrade",
+    cmd = [sys.executable, "-c", "from train.cli import plan_main; plan_main()", "--config", config,
+           "--maximize", "seq", "--no-upgrade",
            "--variants", variant, "--granule", str(granule), "--out", out, f"model.num_hidden_layers={layers}",
            f"seq_len={start_seq}", "compilation_cache_dir=''", *overrides,
            *(["--topology", topology] if topology else []),
            *(["--target-config", target_config] if topology and target_config else [])]
     os.makedirs(out, exist_ok=True)
     log = open(os.path.join(out, "log.txt"), "w")
-    procs[variant] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
+    procs[variant] = (subprocess.Popen(cmd, cwd=harness.REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
   return procs
 
 
@@ -86,7 +84,8 @@ def train_command(config, layers, found, seq_len, work, lift_fit_check, override
   out = os.path.join(work, f"train_{found['dispatcher']}_{options.count('capacity')}_{seq_len}")
   cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", "1", "--out", out,
          f"model.num_hidden_layers={layers}", f"seq_len={seq_len}", f"batch_size={plan['batch_size']}",
-         f"dispatcher={found['dispatcher']}", f"model.dispatcher_options={options}", f"model.remat={remat}",
+         f"runtime.dispatcher={found['dispatcher']}", f"runtime.dispatcher_options={options}",
+         f"runtime.remat={remat}",
          "checkpoint_every=0", "log_every=1", "tensorboard=false", "compilation_cache_dir=''", *overrides,
          *(["device_memory_gib=100000"] if lift_fit_check else [])]
   return cmd
@@ -99,9 +98,9 @@ def train_once(config, layers, found, seq_len, work, lift_fit_check, overrides=(
   start = time.perf_counter()
   # As a user's run: the allocator takes its share up front, one region, so a step's temporaries (one block) are not
   # refused for lack of a contiguous range while enough memory is free in regions grown earlier (init, loading).
-  env = {**_env(), "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+  env = harness.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="true")
   try:
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
   except subprocess.TimeoutExpired:
     return dict(ran=False, peak_gib=None, seconds=STEP_TIMEOUT_S, message=f"no result in {STEP_TIMEOUT_S} s")
   seconds = time.perf_counter() - start
@@ -125,7 +124,7 @@ def confirm(config, layers, results, work, overrides=()):
   runs = [(variant, found, seq, lift) for variant, found in results.items() if found.get("plan")
           for seq, lift in ((found["plan"]["seq_len"], False), (found.get("not_fitting"), True)) if seq]
   compiles = [subprocess.Popen(train_command(config, layers, found, seq, work, lift, overrides) + ["--compile-only"],
-                               cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               cwd=harness.REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
               for _, found, seq, lift in runs]
   for proc in compiles:
     proc.wait()
@@ -134,45 +133,12 @@ def confirm(config, layers, results, work, overrides=()):
     print(f"  {variant} at {seq}: {found['above_limit' if lift else 'at_limit']}", flush=True)
 
 
-def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384,
-              device=None):
-  """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device (default this machine's first; or a
-  compile-only device of `train.plan.topology_devices`): plain (full float32 logits) and chunked. Compile-only."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-
-  from models.loss import chunked_cross_entropy  # noqa: PLC0415
-  axes = ("data", "expert", "tensor")
-  mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1), axes)
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
-  b = tokens // seq_len
-  args = (spec((b, seq_len, d_model), jnp.bfloat16), spec((d_model, vocab), jnp.float32), spec((b, seq_len), jnp.int32))
-
-  def plain(x, head, labels):
-    logits = jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-  def chunked(x, head, labels):
-    return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=axes[:2], vocab_axis="tensor",
-                                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
-
-  def temps(loss):
-    step = jax.jit(jax.value_and_grad(lambda x, h, l: loss(x, h, l).mean(), (0, 1)))
-    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30
-
-  return dict(tokens=tokens, d_model=d_model, vocab=vocab, chunk_tokens=chunk_tokens, vocab_tile=vocab_tile,
-              plain_temp_gib=temps(plain),
-              chunked_temp_gib=temps(chunked), full_logits_gib=tokens * vocab * 4 / 2**30)
-
-
-def machine():
-  import jax  # noqa: PLC0415
-  return dict(host=platform.node(), python=platform.python_version(), jax=jax.__version__,
-              backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind, devices=jax.device_count(),
-              mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
+def describe(loss_head=False, topology=None, target_config=None):
+  """`benchmarks.capacity_worker` in a child: {"machine": …} and, with `loss_head`, the loss-head table's row."""
+  cmd = [sys.executable, "-m", "benchmarks.capacity_worker", *(["--loss-head"] if loss_head else []),
+         *(["--topology", topology] if topology else []),
+         *(["--target-config", target_config] if target_config else [])]
+  return harness.json_child(cmd, _env())
 
 
 def render(data):
@@ -222,24 +188,22 @@ def summary(data):
           f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
 
 
+def _ran(step):
+  return (step or {}).get("ran")
+
+
 def _longest(r):
-  ran = lambda step: (step or {}).get("ran")  # noqa: E731
-  limit = (r.get("plan") or {}).get("seq_len", 0) if ran(r.get("at_limit") or {"ran": True}) else 0
-  above = (r.get("not_fitting") or 0) if ran(r.get("above_limit")) else 0
+  limit = (r.get("plan") or {}).get("seq_len", 0) if _ran(r.get("at_limit") or {"ran": True}) else 0
+  above = (r.get("not_fitting") or 0) if _ran(r.get("above_limit")) else 0
   return max(limit, above)
 
 
 def plot(data, path):
   settings = data["settings"]
-  try:
-    import matplotlib  # noqa: PLC0415
-  except ImportError:
+  if harness.Figure is None or not settings:  # no matplotlib, or a loss-head-only run
     return
-  if not settings:  # a loss-head-only run
-    return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-  fig, ax = plt.subplots(figsize=(8, 4))
+  fig = harness.Figure(figsize=(8, 4))
+  ax = fig.subplots()
   width = 0.8 / len(VARIANTS)
   for i, variant in enumerate(VARIANTS):
     values = [((s["variants"].get(variant) or {}).get("plan") or {}).get("seq_len", 0) / 1024 for s in settings]
@@ -248,30 +212,26 @@ def plot(data, path):
   ax.set(ylabel="longest sequence (K tokens), micro-batch 1 per GPU", title="Qwen3-30B-A3B shape: what trains")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  harness.save_figure(fig, path)
 
 
 def write(data, out):
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as fh:
-    json.dump(data, fh, indent=1)
-  text = render(data)
-  with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
-    fh.write(text + "\n")
-  plot(data, os.path.splitext(out)[0] + ".png")
+  harness.write_json(data, out)
+  text = harness.write_table(render(data), out)
+  plot(data, out)
   print(text)
+
+
+def _merge_settings(earlier, later):
+  return {**earlier, **later, "variants": {**earlier.get("variants", {}), **later["variants"]}}
 
 
 def merge(paths, out):
   """Settings of several runs in one file (in a setting of the same name, a later run's variant and note replace an
   earlier one's: a confirming run adds its steps to the search it confirms)."""
-  runs = [json.load(open(p)) for p in paths]
-  settings = {}
-  for setting in (s for run in runs for s in run["settings"]):
-    earlier = settings.get(setting["name"], {})
-    settings[setting["name"]] = {**earlier, **setting,
-                                 "variants": {**earlier.get("variants", {}), **setting["variants"]}}
-  ordered = sorted(settings.values(), key=lambda s: bool(s.get("topology")))  # real GPUs first, then compile-only
+  runs = [harness.load_json(p) for p in paths]
+  settings = harness.merge_by_key([s for run in runs for s in run["settings"]], lambda s: s["name"], _merge_settings)
+  ordered = sorted(settings, key=lambda s: bool(s.get("topology")))  # real GPUs first, then compile-only
   data = dict(runs[-1], command="python -m benchmarks.capacity --merge " + " ".join(paths), settings=ordered,
               merged_from=[r["command"] for r in runs])
   data["loss_head"] = next((r["loss_head"] for r in reversed(runs) if r.get("loss_head")), None)
@@ -300,22 +260,22 @@ def main(argv=None):
                       "GPU here: compiled for the topology's GPU)")
   parser.add_argument("--work", default="/tmp/relaymoe_capacity")
   parser.add_argument("--merge", nargs="+")
-  parser.add_argument("--out", default=os.path.join(RESULTS, "capacity.json"))
+  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "capacity.json"))
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides for every run")
   args = parser.parse_args(argv)
   if args.merge:
     return merge(args.merge, args.out)
-  import jax  # noqa: PLC0415
   variants = args.variants.split(",")
-  data = dict(command="python -m benchmarks.capacity " + " ".join(sys.argv[1:] if argv is None else argv),
-              machine=machine(), settings=[])
+  # The machine (and, alone, the loss head) from a JAX child, which holds no GPU memory once it has answered.
+  info = describe(args.loss_head_only, args.topology, args.target_config)
+  data = dict(command=harness.command_line("capacity", argv), machine=info["machine"], settings=[])
   if args.loss_head_only:
-    data["loss_head"] = _loss_head(args)
+    data["loss_head"] = info["loss_head"]
     return write(data, args.out)
   searches = []  # (setting, processes): every search runs at once
   overrides = list(args.overrides)
   if args.ring_chunk_rows:  # the all-to-all variants keep only the backend of these options
-    overrides.append(f"model.dispatcher_options={{chunk_rows: {args.ring_chunk_rows}}}")
+    overrides.append(f"runtime.dispatcher_options={{chunk_rows: {args.ring_chunk_rows}}}")
   suffix = f", ring chunk_rows {args.ring_chunk_rows}" if args.ring_chunk_rows else ""
   if not args.no_local:
     local = dict(layers=args.layers, suffix=suffix)
@@ -328,8 +288,7 @@ def main(argv=None):
                                            overrides, args.topology, quiet=bool(args.confirm_from),
                                            target_config=args.target_config)))
   if args.confirm_from:
-    with open(args.confirm_from) as fh:
-      earlier = next(s for s in json.load(fh)["settings"] if s["name"] == args.confirm_setting)
+    earlier = next(s for s in harness.load_json(args.confirm_from)["settings"] if s["name"] == args.confirm_setting)
     earlier.pop("note", None)  # it told of that run
     earlier["variants"] = {v: r for v, r in earlier["variants"].items() if v in variants}
     confirm(args.config, earlier["layers"], earlier["variants"], args.work, args.overrides)
@@ -340,27 +299,13 @@ def main(argv=None):
     if not setting.get("topology"):
       kind = next((r["device_kind"] for r in setting["variants"].values() if "device_kind" in r), "?")
       setting["name"] = f"{setting['gpus']}x{kind} {setting['layers']} layers{setting.pop('suffix')}"
-      if jax.default_backend() == "gpu" and not args.no_confirm:
+      if data["machine"]["backend"] == "gpu" and not args.no_confirm:
         confirm(args.config, setting["layers"], setting["variants"], args.work, args.overrides)
     data["settings"].append(setting)
     write(data, args.out)
   if not args.no_loss_head:
-    data["loss_head"] = _loss_head(args)
+    data["loss_head"] = describe(True, args.topology, args.target_config)["loss_head"]
   write(data, args.out)
-
-
-def _loss_head(args):
-  """loss_head on this machine's GPU, else (with --topology) compiled for one GPU of the topology's kind."""
-  import jax  # noqa: PLC0415
-
-  from train.plan import topology_devices  # noqa: PLC0415
-  if not args.topology or jax.default_backend() == "gpu":
-    return dict(loss_head(), device_kind=jax.devices()[0].device_kind)
-  device = topology_devices("1x1x1", args.target_config)[0]
-  env = " ".join(f"{k}={os.environ[k]}" for k in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "XLA_FLAGS")
-                 if k in os.environ)
-  return dict(loss_head(device=device), device_kind=device.device_kind,
-              how=f"compiled for one without it (--target-config {args.target_config}; {env}), JAX {jax.__version__}")
 
 
 if __name__ == "__main__":

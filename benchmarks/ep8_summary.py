@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks.harness import RESULTS
 
 
 def ep8_summary(layer_rows, train_result, ring="ring_expert", gpus=8):

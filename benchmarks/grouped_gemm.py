@@ -3,28 +3,32 @@
     python -m benchmarks.grouped_gemm [--tune] [--quick] [--ep 8,2] [--out benchmarks/results/grouped_gemm.json]
     python -m benchmarks.grouped_gemm --merge A.json B.json --out C.json   # one table from several runs
 
-For the per-hop shapes of the MoE layers (rows M = T·K/N with T = 32768 tokens per GPU, G = E/N groups, random
-group sizes), each of a hop's two grouped matmuls (gate+up fused: K=D, N=2F; down: K=F, N=D) is timed as forward,
-input gradient and weight gradient, in bf16, next to `lax.ragged_dot` (forward) and a dense matmul of equal FLOPs.
-`--tune` first times candidate tiles for each shape and writes `relaymoe_jax/mosaic_gpu_tiles.json`.
-Prints a table and writes JSON; the last line is the summary for the Qwen3-30B-A3B EP 8 shape (M32768 K2048 N768
-G16, the shape DESIGN.md measured).
+For the per-hop shapes of the MoE layers (rows M = T·K/N with T = 32768 tokens per GPU, top-k K and ring size N;
+L = E/N groups, random group sizes), each of a hop's two grouped matmuls (gate+up fused: contraction I = D, output
+O = U = 2F; down: I = F, O = D) is timed as forward, input gradient and weight gradient, in bf16, next to
+`lax.ragged_dot` (forward) and a dense matmul of equal FLOPs. `--tune` first times candidate tiles for each shape
+and writes `relaymoe_jax/mosaic_gpu_tiles.json`.
+Prints a table and writes JSON; the last line is the summary for the Qwen3-30B-A3B EP 8 shape (M 32768, I 2048,
+O 768, L 16: one unfused gate or up projection of a hop, I = D, O = F), the shape at which the grouped-matmul
+backends were first compared (`lax.ragged_dot` against the Mosaic GPU kernels and a dense matmul, on H200;
+docs/design.md). In the JSON a row's `k`, `n` and `groups` are I, O and L.
 """
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
-import platform
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
+from relaymoe_jax import mosaic_gpu as mg
+
 TOKENS_PER_GPU = 32768
 MODELS = {  # name: (D, F, E, K)
     "qwen3_30b": (2048, 768, 128, 8),
@@ -37,6 +41,9 @@ MODELS = {  # name: (D, F, E, K)
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
+  """One grouped matmul: an M × I operand against L groups of I × O (`k` is I, `n` is O, `groups` is L: the names
+  the results files use)."""
+
   name: str
   m: int
   k: int
@@ -90,10 +97,20 @@ def operands(p):
   return lhs, rhs, d_out, group_sizes(p)
 
 
+def _matmul(a, b):
+  return a @ b
+
+
+def _xla_ragged_dot(a, b, sizes):
+  return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.bfloat16)
+
+
 def measure(p, with_xla):
-  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
   lhs, rhs, d_out, sizes = operands(p)
-  tflops = lambda s: p.flops / s / 1e12  # noqa: E731
+
+  def tflops(seconds):
+    return p.flops / seconds / 1e12
+
   row = dict(dataclasses.asdict(p))
   row["fwd_tflops"] = tflops(timed(jax.jit(mg.forward), lhs, rhs, sizes))
   row["dgrad_tflops"] = tflops(timed(jax.jit(mg.lhs_grad), d_out, rhs, sizes))
@@ -101,20 +118,20 @@ def measure(p, with_xla):
   row["tiles"] = {op: mg.tiles_for(op, kk, nn) for op, kk, nn in
                   ((mg.RAGGED, p.k, p.n), (mg.TRANSPOSED, p.k, p.n))}
   dense_rhs = rhs[0]
-  row["dense_tflops"] = tflops(timed(jax.jit(lambda a, b: a @ b), lhs, dense_rhs))
+  row["dense_tflops"] = tflops(timed(jax.jit(_matmul), lhs, dense_rhs))
   row["xla_fwd_tflops"] = None
   if with_xla:
-    xla = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.bfloat16))
-    row["xla_fwd_tflops"] = tflops(timed(xla, lhs, rhs, sizes, iters=3, repeats=1))
+    row["xla_fwd_tflops"] = tflops(timed(jax.jit(_xla_ragged_dot), lhs, rhs, sizes, iters=3, repeats=1))
   return row
 
 
-def _ragged_call(mg, tiles, transpose_rhs):
-  return jax.jit(lambda a, b, s: mg.ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, transpose_rhs=transpose_rhs,
-                                                               **tiles))
+def _ragged_call(tiles, transpose_rhs):
+  def call(a, b, s):
+    return mg.ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, transpose_rhs=transpose_rhs, **tiles)
+  return jax.jit(call)
 
 
-def _transposed_call(mg, tiles):
+def _transposed_call(tiles):
   def call(a, b, s):
     with jax.numpy_dtype_promotion("standard"):
       return mg.transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=s, **tiles)
@@ -123,15 +140,14 @@ def _transposed_call(mg, tiles):
 
 # The ragged kernel's candidates: block_m, block_n, pipeline stages (block_k 64), grid_block_n (output tiles along N
 # run next to each other, sharing rows in L2). On the ring-of-one gate/up shape a wider search (block_k 128, 2–5
-# stages, grid_block_n 1) found its best inside this set (`moe_layer_runs/20_tune.log`).
+# stages, grid_block_n 1) found its best inside this set (moe_layer run 20's tune log, benchmarks/results/RUNS.md).
 RAGGED_SEARCH = ((128, 192), (128, 192, 256), (3, 4), (2, 4, 8))
 
 
 def tune(probs, ops=None):
-  """Times candidate tiles per (op, K, N) of `ops` (default: both kernels) and the tiles in use, and writes the
-  fastest into the tiles file after each (op, K, N): a tune stopped early keeps what it found, keys it does not
+  """Times candidate tiles per (op, I, O) of `ops` (default: both kernels) and the tiles in use, and writes the
+  fastest into the tiles file after each (op, I, O): a tune stopped early keeps what it found, keys it does not
   reach keep their tiles."""
-  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
   table = {mg.RAGGED: {}, mg.TRANSPOSED: {}}
   for op, tiles in mg.tuned_tiles().items():
     table[op].update(tiles)
@@ -142,9 +158,9 @@ def tune(probs, ops=None):
                 for bm, bn, bk, s, g in itertools.product((64, 128), (128, 256), (64, 128), (4,), (1,))]
   for p in probs:
     lhs, rhs, d_out, sizes = operands(p)
-    jobs = ((mg.RAGGED, ragged, p.k, p.n, lambda t: _ragged_call(mg, t, False), (lhs, rhs, sizes)),
-            (mg.RAGGED, ragged, p.n, p.k, lambda t: _ragged_call(mg, t, True), (d_out, rhs, sizes)),
-            (mg.TRANSPOSED, transposed, p.k, p.n, lambda t: _transposed_call(mg, t), (lhs, d_out, sizes)))
+    jobs = ((mg.RAGGED, ragged, p.k, p.n, functools.partial(_ragged_call, transpose_rhs=False), (lhs, rhs, sizes)),
+            (mg.RAGGED, ragged, p.n, p.k, functools.partial(_ragged_call, transpose_rhs=True), (d_out, rhs, sizes)),
+            (mg.TRANSPOSED, transposed, p.k, p.n, _transposed_call, (lhs, d_out, sizes)))
     for op, candidates, kk, nn, make, args in jobs:
       key = f"{kk}x{nn}"
       if (op, key) in done or (op, None) in done:
@@ -172,7 +188,6 @@ def tune(probs, ops=None):
 
 
 def _tiles_in_use(r):
-  from relaymoe_jax import mosaic_gpu as mg  # noqa: PLC0415
   return {op: mg.tiles_for(op, kk, nn) for op, kk, nn in ((mg.RAGGED, r["k"], r["n"]), (mg.TRANSPOSED, r["k"], r["n"]))}
 
 
@@ -180,8 +195,11 @@ def render(rows, runs):
   """The table under one header line per run; rows measured with other tiles than the committed ones are marked."""
   lines = [f"# {m['command']}\n#   {m['device']}, jax {m['jax']}, python {m['python']}"
            + (f"; {m['note']}" if "note" in m else "") for m in runs]
-  lines += ["| shape | M | K | N | G | fwd | dgrad | wgrad | xla fwd | dense |", "|" + "---|" * 10]
-  fmt = lambda v: "—" if v is None else f"{v:.0f}"  # noqa: E731
+  lines += ["| shape | M | I | O | L | fwd | dgrad | wgrad | xla fwd | dense |", "|" + "---|" * 10]
+
+  def fmt(value):
+    return "—" if value is None else f"{value:.0f}"
+
   stale = 0
   for r in rows:
     mark = "" if r.get("tiles") == _tiles_in_use(r) else " †"
@@ -199,23 +217,15 @@ def render(rows, runs):
 
 def write(rows, runs, out):
   """JSON (one run's meta, or `runs`) and the table beside it."""
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  with open(out, "w") as fh:
-    json.dump(dict(meta=dict(runs=runs) if len(runs) > 1 else runs[0], rows=rows), fh, indent=1)
-  table = render(rows, runs)
-  with open(os.path.splitext(out)[0] + ".txt", "w") as fh:
-    fh.write(table + "\n")
-  return table
+  harness.write_json(dict(meta=dict(runs=runs) if len(runs) > 1 else runs[0], rows=rows), out)
+  return harness.write_table(render(rows, runs), out)
 
 
 def merge(paths, out):
   """One results file from several runs: a later run's row of a shape replaces an earlier one, in place."""
-  rows, runs = {}, []
-  for path in paths:
-    data = json.load(open(path))
-    runs.extend(data["meta"].get("runs", [data["meta"]]))
-    rows.update({r["name"]: r for r in data["rows"]})
-  return write(list(rows.values()), runs, out)
+  files = [harness.load_json(path) for path in paths]
+  runs = [run for data in files for run in harness.runs_of(data["meta"])]
+  return write(harness.merge_by_key([r for data in files for r in data["rows"]], lambda r: r["name"]), runs, out)
 
 
 def main(argv=None):
@@ -227,7 +237,7 @@ def main(argv=None):
   parser.add_argument("--ep", help="comma list of EP sizes whose per-hop shapes are measured and tuned (1: the ring "
                       "of one); default 8 with --quick, else 8,2")
   parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine results files into --out")
-  parser.add_argument("--out", default=os.path.join(RESULTS, "grouped_gemm.json"))
+  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "grouped_gemm.json"))
   args = parser.parse_args(argv)
   if args.merge:
     print(merge(args.merge, args.out))
@@ -241,9 +251,8 @@ def main(argv=None):
   for p in probs:
     rows.append(measure(p, with_xla=p.groups <= 16))
     print(rows[-1], flush=True)
-  meta = dict(command="python -m benchmarks.grouped_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
-              device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(),
-              xla_flags=os.environ.get("XLA_FLAGS", ""), tokens_per_gpu=TOKENS_PER_GPU)
+  meta = dict(command=harness.command_line("grouped_gemm", argv), **harness.machine(jax),
+              device=jax.devices()[0].device_kind, tokens_per_gpu=TOKENS_PER_GPU)
   print(write(rows, [meta], args.out))
 
 

@@ -27,12 +27,14 @@ import time
 if __name__ == "__main__" and "jax" not in sys.modules:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+from benchmarks.harness import REPO, RESULTS
+
 MIB = 2 ** 20
 # Experts dominate, as in real MoE checkpoints: 6 MoE layers of 64 experts, D 1024, F 512 (2.4 GB of 2.5 GB).
 CONFIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
               num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=64,
-              num_experts_per_tok=4, dtype="float32", param_dtype="float32")
+              num_experts_per_tok=4, param_dtype="float32")
+RUNTIME = dict(dtype="float32")  # `RuntimeConfig` fields: float32 compute
 MESH = dict(data=1, expert=8, tensor=1)  # experts split 8 ways, the rest replicated on every device
 MAX_SHARD_BYTES = 512 * MIB
 MODES = {"sliced": "from_hf (each device's slice read and placed in turn)",
@@ -44,16 +46,18 @@ def _peak_rss_bytes():
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+# JAX and the models are imported inside the functions, in a child process: XLA_FLAGS must be set first.
 def _mesh():
   from train.config import MeshConfig
-  from train.loop import build_mesh
+  from train.mesh import build_mesh
   return build_mesh(MeshConfig(**MESH))
 
 
 def make(out_dir):
-  from models import qwen3
-  model = qwen3.create_sharded(qwen3.Qwen3MoEConfig(**CONFIG), _mesh(), seed=0)
-  files = qwen3.to_hf(model, out_dir, max_shard_bytes=MAX_SHARD_BYTES)
+  from models import hf, qwen3
+  from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
+  model = qwen3.create_sharded(Qwen3MoEConfig(**CONFIG), _mesh(), seed=0, runtime=RuntimeConfig(**RUNTIME))
+  files = hf.to_hf(model, out_dir, max_shard_bytes=MAX_SHARD_BYTES)
   print(json.dumps({"files": files}))
 
 
@@ -62,14 +66,16 @@ def measure(hf_dir, mode):
   from flax import nnx
   from safetensors.numpy import load_file
 
-  from models import hf, qwen3
+  from models import hf
+  from models.qwen3_config import RuntimeConfig
   mesh = _mesh()
   jax.block_until_ready(jax.device_put(0.0))
   baseline = _peak_rss_bytes()
   start = time.perf_counter()
   held = [load_file(f) for f in sorted(pathlib.Path(hf_dir).glob("*.safetensors"))] if mode == "whole" else []
-  config = qwen3.config_from_hf(hf_dir, **{k: CONFIG[k] for k in ("dtype", "param_dtype")})
-  model = nnx.merge(*hf.load_params(config, mesh, hf_dir, device_by_device=mode != "callback"))
+  config = hf.config_from_hf(hf_dir, param_dtype=CONFIG["param_dtype"])
+  model = nnx.merge(*hf.load_params(config, mesh, hf_dir, device_by_device=mode != "callback",
+                                    runtime=RuntimeConfig(**RUNTIME)))
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
@@ -81,7 +87,7 @@ def measure(hf_dir, mode):
 
 def _child(*args):
   out = subprocess.run([sys.executable, "-m", "benchmarks.hf_load_memory", *args], check=True, capture_output=True,
-                       text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+                       text=True, cwd=REPO)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -104,8 +110,8 @@ def main():
   import jax
   lines = [f"# hf_load_memory: peak RSS importing a {len(files)}-file float32 qwen3_moe checkpoint on 8 emulated CPU "
            f"devices (cpu, jax {jax.__version__}, python {platform.python_version()})",
-           f"# command: python -m benchmarks.hf_load_memory   (model {CONFIG}, mesh {MESH}, files of "
-           f"{MAX_SHARD_BYTES // MIB} MiB)",
+           f"# command: python -m benchmarks.hf_load_memory   (model {CONFIG}, runtime {RUNTIME}, mesh {MESH}, "
+           f"files of {MAX_SHARD_BYTES // MIB} MiB)",
            f"checkpoint on disk: {checkpoint / MIB:.0f} MiB in {len(files)} files",
            "| loader | baseline MiB | peak MiB | loaded model's bytes on the 8 devices MiB | overhead = peak − "
            "baseline − model MiB | overhead / checkpoint | seconds |", "|---|---|---|---|---|---|---|"]
@@ -118,7 +124,7 @@ def main():
                f"{runs[0]['largest_slice'] / MIB:.0f} MiB")
   text = "\n".join(lines) + "\n"
   print(text)
-  (RESULTS / "hf_load_memory.txt").write_text(text)
+  pathlib.Path(RESULTS, "hf_load_memory.txt").write_text(text)
   if not args.keep:
     shutil.rmtree(hf_dir)
 

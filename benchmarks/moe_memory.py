@@ -25,8 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks.harness import RESULTS
 
 
 @dataclasses.dataclass(frozen=True)

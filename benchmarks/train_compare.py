@@ -15,8 +15,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(REPO, "benchmarks", "results")
+from benchmarks import harness
 
 
 def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
@@ -24,9 +23,9 @@ def train(dispatcher, config, steps, overrides, out_dir, log_every=1):
   output) where it failed: a step that does not fit (the fit guard's message), out of memory, a bad override."""
   # --overwrite: each run starts afresh, also in a --work directory of an earlier comparison.
   cmd = [sys.executable, "-m", "train.cli", "--config", config, "--steps", str(steps), "--out", out_dir, "--overwrite",
-         f"dispatcher={dispatcher}", f"log_every={log_every}", f"checkpoint_every={steps}", "tensorboard=false",
+         f"runtime.dispatcher={dispatcher}", f"log_every={log_every}", f"checkpoint_every={steps}", "tensorboard=false",
          *overrides]
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+  proc = subprocess.run(cmd, cwd=harness.REPO, capture_output=True, text=True)
   path = os.path.join(out_dir, "metrics.jsonl")
   if proc.returncode != 0 or not os.path.exists(path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -55,20 +54,17 @@ def compare(runs):
 
 
 def plot(runs, path):
-  try:
-    import matplotlib  # noqa: PLC0415
-  except ImportError:
+  """The loss curves, into the .png beside `path` (none without matplotlib)."""
+  if harness.Figure is None:
     return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig = harness.Figure(figsize=(7, 4))
+  ax = fig.subplots()
   for name, records in runs.items():
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=name)
   ax.set(xlabel="step", ylabel="loss", title="same seed, two dispatchers")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  return path
+  return harness.save_figure(fig, path)
 
 
 def main(argv=None):
@@ -78,7 +74,7 @@ def main(argv=None):
   parser.add_argument("--dispatchers", default="ring_expert,all_to_all")
   parser.add_argument("--seq-search", action="store_true")
   parser.add_argument("--work", default="/tmp/relaymoe_train_compare")
-  parser.add_argument("--out", default=os.path.join(RESULTS, "train_compare.json"))
+  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "train_compare.json"))
   parser.add_argument("overrides", nargs="*", metavar="key=value")
   args = parser.parse_args(argv)
   dispatchers = args.dispatchers.split(",")
@@ -90,8 +86,7 @@ def main(argv=None):
     if records is None:
       raise SystemExit(f"the {d} run failed: {error}")
     runs[d] = records
-  result = dict(command="python -m benchmarks.train_compare " + " ".join(sys.argv[1:] if argv is None else argv),
-                **compare(runs))
+  result = dict(command=harness.command_line("train_compare", argv), **compare(runs))
   for d, records in runs.items():
     tail = records[len(records) // 2:]  # past compilation and warm-up
     result[d] = dict(tokens_per_s=sum(r["tokens_per_s"] for r in tail) / len(tail),
@@ -100,10 +95,8 @@ def main(argv=None):
     if args.seq_search:
       result[d]["longest_seq_len"] = longest_sequence(d, args.config, args.overrides, args.work)
   result["curves"] = {d: [r["loss"] for r in records] for d, records in runs.items()}
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as fh:
-    json.dump(result, fh, indent=1)
-  plot(runs, os.path.splitext(args.out)[0] + ".png")
+  harness.write_json(result, args.out)
+  plot(runs, args.out)
   lines = ["| dispatcher | tokens/s | TFLOP/s/device | peak GiB | final loss | longest seq |",
            "|---|---|---|---|---|---|"]
   for d in dispatchers:
@@ -112,10 +105,7 @@ def main(argv=None):
                  f"{r['peak_memory_bytes'] / 2**30:.2f} | {r['final_loss']:.4f} | {r.get('longest_seq_len', '—')} |")
   lines.append(f"summary: train_compare {dispatchers[0]}_vs_{dispatchers[1]} steps={args.steps} "
                f"loss_curve_max_abs_diff={result['loss_curve_max_abs_diff']:.3g}")
-  text = "\n".join(lines)
-  with open(os.path.splitext(args.out)[0] + ".txt", "w") as fh:
-    fh.write(text + "\n")
-  print(text)
+  print(harness.write_table("\n".join(lines), args.out))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,25 @@
 """The GPU benchmark harnesses still run (tiny shapes, 8 emulated devices) and their summaries parse."""
 
+import gzip
 import json
 import re
+import subprocess
+import sys
+import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import grouped_gemm, moe_layer
+from benchmarks import capacity, grouped_gemm, harness, moe_layer, moe_layer_worker, train_compare
+from benchmarks.ep8_summary import ep8_summary
+from benchmarks.trace_summary import collective_timeline, kernel_times
 
 
 @pytest.fixture(scope="module")
 def rows():
-  return [moe_layer.run_one(v, "tiny", 64, iters=1)
+  return [moe_layer_worker.run_one(v, "tiny", 64, iters=1)
           for v in ("ring_expert", "compute_floor", moe_layer.TRANSFER, "a2a_dropless", "a2a_cf1", "ring_token@64/16",
                     "ring_nocomm", "ring_expert_reverse", "auto", "compute_floor_keep")]
 
@@ -26,8 +34,10 @@ def test_moe_layer_rows_measure_every_variant(rows):
 @pytest.mark.parametrize("gpus", [2, 8])  # a ring of two reverses its backward, so its transfers differ
 def test_overlap_bounds_split_the_ring_in_two(gpus):
   """ring_nocomm has the ring's matmuls and no send; transfer has exactly the ring's sends (compiled HLO)."""
-  sends = lambda text: sorted(re.findall(r"= (\S+) collective-permute\(", text))  # noqa: E731
-  ring, nocomm, transfer = (moe_layer.compile_variant(v, "tiny", 64, gpus=gpus)[0].as_text()
+  def sends(text):
+    return sorted(re.findall(r"= (\S+) collective-permute\(", text))
+
+  ring, nocomm, transfer = (moe_layer_worker.compile_variant(v, "tiny", 64, gpus=gpus)[0].as_text()
                             for v in ("ring_expert", "ring_nocomm", moe_layer.TRANSFER))
   assert sends(ring) and sends(ring) == sends(transfer)
   assert not sends(nocomm)
@@ -35,8 +45,9 @@ def test_overlap_bounds_split_the_ring_in_two(gpus):
 
 
 def test_a_stack_of_layers_runs_each_layer():
-  sends = lambda shape: moe_layer.compile_variant("ring_expert", shape, 64)[0].as_text().count(  # noqa: E731
-      "collective-permute(")
+  def sends(shape):
+    return moe_layer_worker.compile_variant("ring_expert", shape, 64)[0].as_text().count("collective-permute(")
+
   assert sends("tiny*2") == 2 * sends("tiny") > 0
   assert moe_layer.stack_depth("tiny*3") == 3 and moe_layer.stack_depth("tiny") == 1
   with pytest.raises(ValueError, match="positive integer"):
@@ -53,32 +64,24 @@ def test_variants_compile_together_and_measure_in_turn():
 
 
 def _fake_child(code):
-  """A `_Child` around `python -c code` instead of a variant process."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-  import tempfile  # noqa: PLC0415
-  child = object.__new__(moe_layer._Child)
-  child.job, child.result, child.stderr = dict(variant="v"), None, tempfile.TemporaryFile(mode="w+")
-  child.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=child.stderr, text=True)
-  return child
+  """A `harness.Child` around `python -c code` instead of a variant process."""
+  return harness.Child(dict(variant="v"), [sys.executable, "-c", code])
 
 
 def test_a_variant_process_that_never_exits_is_killed():
-  import time  # noqa: PLC0415
   child = _fake_child("import json, time; print(json.dumps(dict(variant='v', error='out of memory')), flush=True); "
                       "time.sleep(60)")
   start = time.perf_counter()
-  child.wait_compiled()
+  child.wait_ready()
   child.close(wait_s=0.5)
   assert child.result["error"] == "out of memory" and child.proc.returncode is not None
   assert time.perf_counter() - start < 10
 
 
 def test_a_variant_process_that_never_reports_is_killed():
-  child = _fake_child("import json, sys, time; print(json.dumps(dict(compiled=True)), flush=True); "
+  child = _fake_child("import json, sys, time; print(json.dumps(dict(ready=True)), flush=True); "
                       "sys.stdin.readline(); time.sleep(60)")
-  child.wait_compiled()
+  child.wait_ready()
   row = child.measure(timeout_s=0.5)
   assert row == dict(variant="v", error="no result within 0.5 s: killed") and child.proc.returncode is not None
 
@@ -89,8 +92,10 @@ def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
     (tmp_path / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows, ep_scaling=scaling or {})))
     return str(tmp_path / f"{name}.json")
 
-  row = lambda shape, tokens, variant, ms: dict(shape=shape, tokens_per_gpu=tokens, variant=variant, gpus=2,  # noqa: E731
-                                                latency_ms=ms, peak_bytes=1, temp_bytes=1, useful_tflops_per_gpu=1.0)
+  def row(shape, tokens, variant, ms):
+    return dict(shape=shape, tokens_per_gpu=tokens, variant=variant, gpus=2, latency_ms=ms, peak_bytes=1,
+                temp_bytes=1, useful_tflops_per_gpu=1.0)
+
   ep8 = dict(ep=8, num_experts=128, tokens_per_device=2048, ring_expert=1, a2a_dropless=40, a2a_cf1=5,
              ratio_dropless=40.0, ratio_cf1=5.0)
   first = run("a", [row("qwen3_30b", 65536, "ring_expert", 9.0), row("grid-x", 8, "ring_expert", 1.0),
@@ -124,11 +129,13 @@ def test_variant_names_a_chunk_ladder():
 
 def test_xla_options_override_the_librarys():
   limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
-  assert moe_layer.compiler_options() == rm.COMPILER_OPTIONS
-  options = moe_layer.compiler_options([f"{limit}=1", "xla_gpu_use_memcpy_local_p2p=true"])
+  assert moe_layer_worker.compiler_options() == rm.COMPILER_OPTIONS
+  options = moe_layer_worker.compiler_options([f"{limit}=1", "xla_gpu_use_memcpy_local_p2p=true"])
   assert options == {limit: 1, "xla_gpu_use_memcpy_local_p2p": True}
   with pytest.raises(ValueError, match="no_equals_sign"):
-    moe_layer.compiler_options(["no_equals_sign"])
+    moe_layer_worker.compiler_options(["no_equals_sign"])
+  with pytest.raises(ValueError, match="no_equals_sign"):  # the driver's check, before any process starts
+    moe_layer.main(["--xla-option", "no_equals_sign"])
 
 
 def test_moe_layer_summary_has_every_field(rows):
@@ -143,7 +150,7 @@ def test_moe_layer_summary_has_every_field(rows):
 
 
 def test_profile_reports_kernel_time(tmp_path):
-  row = moe_layer.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
+  row = moe_layer_worker.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
   table = moe_layer.render([row], [])
   assert "Kernel time per step" in table and f"| {row['kernels']['busy_ms']:.1f} |" in table
@@ -151,10 +158,9 @@ def test_profile_reports_kernel_time(tmp_path):
 
 def test_trace_summary_places_collectives_beside_compute(tmp_path):
   """A send of 2 ms with 0.5 ms of GEMM beside it: 1.5 ms exposed, compute 0.5 + 1 ms."""
-  import gzip  # noqa: PLC0415
+  def kernel(name, ts, dur):
+    return dict(ph="X", pid=1, tid=7, name=name, ts=ts, dur=dur)
 
-  from benchmarks.trace_summary import collective_timeline, kernel_times  # noqa: PLC0415
-  kernel = lambda name, ts, dur: dict(ph="X", pid=1, tid=7, name=name, ts=ts, dur=dur)  # noqa: E731
   events = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
             kernel("ncclDevKernel_SendRecv", 0, 2000), kernel("body_mosaic_gpu_kernel", 1500, 500),
             kernel("loop_add_fusion", 3000, 1000)]
@@ -167,7 +173,6 @@ def test_trace_summary_places_collectives_beside_compute(tmp_path):
 
 
 def test_ep8_summary_averages_over_points():
-  from benchmarks.ep8_summary import ep8_summary
   rows = [dict(shape=s, tokens_per_gpu=t, variant=v, gpus=8, latency_ms=ms, peak_bytes=mem)
           for s, t, v, ms, mem in [("a", 1, "ring_expert", 10.0, 1.0), ("a", 1, "a2a_dropless", 30.0, 5.0),
                                    ("a", 1, "a2a_cf1", 20.0, 3.0), ("b", 1, "ring_expert", 10.0, 1.0),
@@ -183,10 +188,10 @@ def test_ep8_summary_averages_over_points():
 def test_a_step_that_cannot_fit_is_reported_not_run():
   """Compiled needs (arguments + outputs + temporaries) over a device's allocator limit: out of memory, with both
   numbers; CPU devices report no limit, so nothing is refused there."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  def gram_sum(a):
+    return (a @ a.T).sum()
 
-  compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(jnp.ones((256, 64))).compile()
+  compiled = jax.jit(gram_sum).lower(jnp.ones((256, 64))).compile()
 
   class Device:
     def __init__(self, limit):
@@ -196,14 +201,13 @@ def test_a_step_that_cannot_fit_is_reported_not_run():
       return dict(bytes_limit=self.limit)
 
   row = {}
-  assert moe_layer.does_not_fit(compiled, [Device(1 << 40), Device(1024)], row)
+  assert moe_layer_worker.does_not_fit(compiled, [Device(1 << 40), Device(1024)], row)
   assert row["error"] == "out of memory" and row["limit_bytes"] == 1024 and row["needed_bytes"] >= 256 * 64 * 4
-  assert not moe_layer.does_not_fit(compiled, [Device(1 << 40)], {})
-  assert not moe_layer.does_not_fit(compiled, jax.devices()[:1], {})
+  assert not moe_layer_worker.does_not_fit(compiled, [Device(1 << 40)], {})
+  assert not moe_layer_worker.does_not_fit(compiled, jax.devices()[:1], {})
 
 
 def test_train_compare_reports_the_trainers_own_error(tmp_path):
-  from benchmarks import train_compare  # noqa: PLC0415
   with pytest.raises(SystemExit, match="the ring_expert run failed: relaymoe-train: error: override: "
                                        "seq_len='abc' is not an int"):
     train_compare.main(["--config", "cpu", "--steps", "1", "--work", str(tmp_path), "--out", str(tmp_path / "c.json"),
@@ -219,7 +223,6 @@ def _capacity_found(seq_len, ran=None):
 
 
 def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
-  from benchmarks import capacity  # noqa: PLC0415
   local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(
       ring=_capacity_found(524288, True), a2a_dropless=_capacity_found(233472, True),
       a2a_cf1=_capacity_found(262144, False)))
@@ -230,14 +233,14 @@ def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
                                     "a2a_max_seq=233472 cf1_max_seq=0 ratio=2.25")
   text = capacity.render(data)
   assert text.splitlines()[-1] == capacity.summary(data)
-  assert "| 1xH200 4 layers | a2a_cf1 | 262144 | 4 × offload | 100.0 | 128.0 | 266240 | failed: RESOURCE_EXHAUSTED" in text
+  assert ("| 1xH200 4 layers | a2a_cf1 | 262144 | 4 × offload | 100.0 | 128.0 | 266240 | failed: RESOURCE_EXHAUSTED"
+          in text)
   assert "| 1x1x8 compile-only 4 layers | ring | 1048576 |" in text
 
 
 def test_capacity_summary_counts_a_size_above_the_limit_whose_step_trained():
   """The planner's limit is conservative by its headroom: a step above it that trained (fit check lifted) is the
   variant's longest; one that failed is not."""
-  from benchmarks import capacity  # noqa: PLC0415
   ring, a2a = _capacity_found(524288, True), _capacity_found(233472, True)
   ring["above_limit"] = dict(ran=False, peak_gib=None, seconds=9, message="RESOURCE_EXHAUSTED")
   a2a["above_limit"] = dict(ran=True, peak_gib=127.5, seconds=9, message="")
@@ -247,16 +250,15 @@ def test_capacity_summary_counts_a_size_above_the_limit_whose_step_trained():
 
 
 def test_capacity_confirming_step_runs_the_plan_with_its_chunk_cap():
-  from benchmarks import capacity  # noqa: PLC0415
   found = dict(_capacity_found(999424), options={"backend": "auto"})
   found["plan"].update(remat=["offload"] * 4, batch_size=1, max_chunk_rows=131072)
   cmd = capacity.train_command("ep8", 4, found, 999424, "/tmp/w", lift_fit_check=False)
-  assert 'model.dispatcher_options={"backend": "auto", "max_chunk_rows": 131072}' in cmd
-  assert "model.remat=[offload,offload,offload,offload]" in cmd and "seq_len=999424" in cmd
+  assert 'runtime.dispatcher_options={"backend": "auto", "max_chunk_rows": 131072}' in cmd
+  assert "runtime.remat=[offload,offload,offload,offload]" in cmd and "seq_len=999424" in cmd
+  assert "runtime.dispatcher=ring_expert" in cmd
 
 
 def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
-  from benchmarks import capacity  # noqa: PLC0415
   def run(name, seq_len, path, variants=("ring", "a2a_dropless"), note=None, topology=None):
     found = dict(ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True))
     data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants={
@@ -282,7 +284,6 @@ def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
 def test_capacity_loss_head_only_compares_plain_and_chunked(tmp_path):
   """Compile-only, this machine's first device: the chunked head needs a small fraction of the plain one's
   temporaries (the full float32 logits of 65536 tokens over Qwen3's vocabulary alone are 37 GiB)."""
-  from benchmarks import capacity  # noqa: PLC0415
   capacity.main(["--loss-head-only", "--out", str(tmp_path / "head.json")])
   head = json.loads((tmp_path / "head.json").read_text())["loss_head"]
   assert head["plain_temp_gib"] >= head["full_logits_gib"] > 37 and head["chunked_temp_gib"] < 3, head
@@ -308,3 +309,22 @@ def test_grouped_gemm_merge_replaces_rows_and_marks_other_tiles(tmp_path):
   assert "| qwen3_30b_ep8 | 64 |" in text and "| x † | 64 |" in text and "# a\n" in text and "# b\n" in text
   assert text.splitlines()[-1] == "summary: grouped_gemm shape=qwen3_30b_ep8 fwd_tflops=3.0 wgrad_tflops=1.0 " \
                                   "xla_fwd_tflops=0.0"
+
+
+def test_the_drivers_import_no_jax():
+  """The drivers orchestrate processes, merge, render and plot; JAX lives in the workers they start."""
+  code = ("import sys; import benchmarks.moe_layer, benchmarks.capacity, benchmarks.train_compare, "
+          "benchmarks.ep8_summary; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=harness.REPO)
+
+
+def test_merge_by_key_keeps_the_first_place_and_the_latest_item():
+  items = [dict(k="a", v=1), dict(k="b", v=2), dict(k="a", v=3), dict(k="c", v=4)]
+  assert harness.merge_by_key(items, lambda r: r["k"]) == [dict(k="a", v=3), dict(k="b", v=2), dict(k="c", v=4)]
+
+  def add(earlier, later):
+    return dict(later, v=earlier["v"] + later["v"])
+
+  assert harness.merge_by_key(items, lambda r: r["k"], add) == [dict(k="a", v=4), dict(k="b", v=2),
+                                                                 dict(k="c", v=4)]
+  assert harness.merge_by_key([], lambda r: r) == []
