@@ -10,6 +10,7 @@ A model is built from its architecture (`Qwen3MoEConfig`) and how it runs (`Runt
 where everything lives on the mesh is `models.sharding`'s. Shape letters: see `relaymoe_jax`.
 """
 
+import contextlib
 import functools
 import logging
 
@@ -284,18 +285,20 @@ class Qwen3MoE(_Layer):
 
   def logits_and_aux(self, tokens_BS):
     """(float32 logits [B, S, V], router losses: see `hidden_and_aux`)."""
-    x_BSD, aux = self.hidden_and_aux(tokens_BS)
-    return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
+    with _matmul_precision(self.runtime):
+      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
 
   def cross_entropy_and_aux(self, tokens_BS, labels_BS):
     """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
-    x_BSD, aux = self.hidden_and_aux(tokens_BS)
-    if not self.runtime.loss_chunk_tokens:
-      logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS), aux
-    return chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=TOKEN_AXES,
-                                 vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens), aux
+    with _matmul_precision(self.runtime):
+      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      if not self.runtime.loss_chunk_tokens:
+        logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS), aux
+      return chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=TOKEN_AXES,
+                                   vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens), aux
 
   def head_DV(self):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
@@ -317,6 +320,15 @@ class Qwen3MoE(_Layer):
       return x, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
     return x, {"load_balancing_loss": rm.load_balancing_loss(auxes),
                "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
+
+
+def _matmul_precision(runtime):
+  """float32 compute at float32 precision: on GPUs XLA's default for a float32 matmul is TF32 (a 10-bit mantissa),
+  which made two compiles of one float32 step (with and without offload) differ by 6e-4 in a gradient. The MoE
+  block's own matmuls already ask for it (`grouped_matmul.matmul_precision`)."""
+  if jnp.dtype(runtime.dtype) == jnp.float32:
+    return jax.default_matmul_precision("highest")
+  return contextlib.nullcontext()
 
 
 def abstract(config, mesh, seed=0, *, runtime=RuntimeConfig()):

@@ -9,6 +9,7 @@ this module (a step is the same whatever the budget, run directory or logging).
 import dataclasses
 import json
 import os
+import threading
 
 import pytest
 
@@ -24,6 +25,9 @@ GIB = 2**30
 # RunConfig fields that do not change the compiled step.
 NOT_COMPILED = ("out_dir", "device_memory_gib", "memory_headroom", "tensorboard", "log_every", "checkpoint_every",
                 "keep_checkpoints", "compilation_cache_dir")
+
+
+loop_compile_step = loop.compile_step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,6 +124,40 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
   assert tuple(stored["run"]["runtime"]["remat"]) == expected.remat and expected.keep_gate_up
   assert dict(stored["run"]["runtime"]["dispatcher_options"])["keep_gate_up"] is True
   assert f"remat auto: {expected.summary()}" in capsys.readouterr().out
+
+  # A rerun of the same configuration reads the plan from the run directory and compiles only the step it runs.
+  def no_planning(*args, **kwargs):
+    raise AssertionError("planned again")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(planning.Planner, "plan", no_planning)
+    assert [r["step"] for r in loop.run(config, overwrite=True)] == [0, 1]
+  assert "planned before for this configuration" in capsys.readouterr().out
+  rerun = json.loads((tmp_path / "run_config.json").read_text())
+  assert rerun["remat_plan"] == stored["remat_plan"] and rerun["run"]["runtime"] == stored["run"]["runtime"]
+  # Another shape is planned anew.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(planning.Planner, "plan", no_planning)
+    with pytest.raises(AssertionError, match="planned again"):
+      loop.run(dataclasses.replace(config, seq_len=64), overwrite=True)
+
+
+@pytest.mark.slow  # three compiles afresh
+def test_the_uniform_policies_compile_at_once_where_the_host_has_cores(uniform, monkeypatch):
+  """With cores to spare the first compiles run in threads: the same plan and bytes as compiled one by one."""
+  budget = between(uniform, 0.6)
+  expected = planner_with(budget).plan()
+  monkeypatch.setattr(planning, "concurrent_compiles", lambda devices=None: 3)
+  with pytest.MonkeyPatch.context() as patch:  # compile afresh (the module's memo would answer at once)
+    patch.setattr(planning, "compile_step", loop_compile_step)
+    planner = planner_with(budget)
+    threads = []
+    measure = planner.measure
+    planner.measure = lambda *a, **k: threads.append(threading.current_thread().name) or measure(*a, **k)
+    plan = planner.plan()
+  assert (plan.remat, plan.total_bytes, plan.keep_gate_up) == (expected.remat, expected.total_bytes,
+                                                               expected.keep_gate_up)
+  assert len({t for t in threads if t != threading.current_thread().name}) >= 2, threads
 
 
 def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):

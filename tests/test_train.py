@@ -31,7 +31,7 @@ from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
 from train import checkpoints as train_checkpoints
 from train import loop as train_loop
-from train.cli import _parse
+from train.cli import _parse, _start
 from train.step import TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -357,3 +357,14 @@ def test_a_checkpoint_with_the_shared_experts_old_parameter_names_resumes(tmp_pa
   for (path, a), (_, b) in zip(flat, expected):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
   assert [r["step"] for r in run(config, resume=True)] == [1]
+
+
+def test_the_trainer_gives_jax_95_percent_of_each_gpu_unless_told_otherwise(monkeypatch):
+  """Set before JAX's backends start (on a GPU the allocator's limit; JAX's own default is 75%)."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # _start appends to it
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  _start(_parse(["--config", "cpu"]), [])
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  _start(_parse(["--config", "cpu"]), [])
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"

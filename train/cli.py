@@ -50,6 +50,12 @@ def _parse(argv):
   return parser.parse_intermixed_args(argv)  # key=value overrides may come before and after options
 
 
+# Of each GPU's memory, what JAX's allocator may take unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: JAX's
+# own default, 0.75, left a quarter of an H200 unused (the planner's budget 104.3 GiB of 139.8), while steps at
+# 99.5% of a 0.95 limit trained (docs/memory.md).
+GPU_MEMORY_FRACTION = "0.95"
+
+
 def _start_distributed(args):
   if args.coordinator:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
@@ -69,6 +75,7 @@ def _start(args, overrides):
   # first device query, not at import): nothing before this line may ask for a device.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
   _start_distributed(args)
 
   if args.out:
@@ -76,7 +83,18 @@ def _start(args, overrides):
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+  _log_memory_limit()
   return config
+
+
+def _log_memory_limit():
+  """One line on GPUs: the memory each device's allocator may take, and where that fraction came from."""
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  if jax.default_backend() != "gpu" or jax.process_index() != 0 or not all(limits):
+    return
+  fraction = os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+  print(f"device memory: {min(limits) / 2**30:.1f} GiB per GPU for JAX (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}"
+        f"{'' if fraction != GPU_MEMORY_FRACTION else ', the default'})", flush=True)
 
 
 def _main(args):

@@ -12,8 +12,11 @@ backward can then keep the forward's gate/up projections (`RingExpert.keep_gate_
 one compile more, a quarter of the MoE backward's matmuls fewer.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import pathlib
 
 import jax
 
@@ -23,6 +26,7 @@ from relaymoe_jax.chunks import default_chunk_rows
 from train.compile import StepDoesNotFit, compile_step, device_limit_bytes, memory_plan
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
+from train.plan_record import PLAN_FILE, Plan, plan_key, store_plan, stored_plan
 from train.metrics import log_on_process_0, peak_tflops
 from train.sources import model_config_for
 from train.step import layer_forward_flops
@@ -36,6 +40,15 @@ FRUGAL_CHUNK_ROWS = 131072
 RINGS = ("ring_expert", "ring_token", "auto")
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
 FRUGAL_FIRST = ("offload", "layer", "attention", "none")
+
+
+def concurrent_compiles(devices=None):
+  """How many train steps the planner compiles at once: a quarter of the host's cores (compiling one uses several),
+  and one for compile-only devices of another machine (`--topology`), whose Mosaic kernels trace under a stand-in
+  for `jax.devices` that is not thread-safe."""
+  if devices is not None:
+    return 1
+  return max(1, (os.cpu_count() or 1) // 4)
 
 
 def offload_supported(devices=None):
@@ -91,32 +104,6 @@ def caps_chunks(run_config, devices=None):
   top_k = model_config_for(run_config).num_experts_per_tok
   ladder = functools.partial(default_chunk_rows, tokens, top_k, mesh.shape[EXPERT])
   return ladder(FRUGAL_CHUNK_ROWS) != ladder()
-
-
-@dataclasses.dataclass
-class Plan:
-  """A remat choice per layer for one run shape, with the compiled step's bytes per device."""
-
-  remat: tuple[str, ...]
-  batch_size: int
-  seq_len: int
-  state_bytes: int
-  temp_bytes: int
-  total_bytes: int
-  budget_bytes: int
-  fits: bool
-  compiles: list = dataclasses.field(default_factory=list)  # (what was compiled, total bytes) in order
-  max_chunk_rows: int | None = None  # FRUGAL_CHUNK_ROWS where the plan caps the ring's chunks
-  keep_gate_up: bool = False  # the expert ring keeps its gate/up projections for the backward
-
-  def summary(self):
-    counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
-    chunks = f", ring chunks ≤ {self.max_chunk_rows} rows" if self.max_chunk_rows else ""
-    kept = ", ring keeps gate/up" if self.keep_gate_up else ""
-    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks + kept
-
-  def as_dict(self):
-    return dict(dataclasses.asdict(self), summary=self.summary())
 
 
 class Planner:
@@ -176,11 +163,24 @@ class Planner:
   def fits(self, plan):
     return plan["total_bytes"] <= self.budget_bytes
 
+  def prefetch(self, policies_, **changes):
+    """Compiles the uniform `policies_` not measured yet all at once, a thread each, where the host has the cores
+    (`concurrent_compiles`): XLA compiles in C++ without holding the GIL, so they take about the time of the
+    slowest rather than their sum. Elsewhere it does nothing and `measure` compiles each when asked."""
+    todo = [p for p in policies_ if self._key(p, changes) not in self._measured]
+    workers = min(len(todo), concurrent_compiles(self.devices))
+    if workers < 2:
+      return
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      for future in [pool.submit(self.measure, policy, **changes) for policy in todo]:
+        future.result()
+
   def plan(self, **changes):
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
     fitting, when even that does not fit)."""
     layers = model_config_for(self.run_config).num_hidden_layers
     choices = policies(self.devices)
+    self.prefetch(("none", *choices[:-1]), **changes)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
       return self._keeping_gate_up(self._result(("none",) * layers, uniform["none"], changes), changes)
@@ -322,18 +322,27 @@ def make_planner(run_config, log=print, devices=None, keep_steps=False):
 
 
 def resolve_remat(run_config):
-  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep);
-  other runs unchanged, with None for both."""
+  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep or
+  None where the plan was the run directory's); other runs unchanged, with None for both."""
   if run_config.runtime.remat != REMAT_AUTO:
     return run_config, None, None
   planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
+  path = pathlib.Path(run_config.out_dir) / PLAN_FILE
+  key = plan_key(run_config, model_config_for(run_config), planner.budget_bytes)
+  plan = stored_plan(path, key)
+  if plan:
+    log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
+                     f"{plan.budget_bytes / 2**30:.2f}), planned before for this configuration ({path})")
+    return apply_plan(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
                          f"{plan.total_bytes / 2**30:.2f} GiB per device, over the budget of "
                          f"{plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
-                    f"{plan.budget_bytes / 2**30:.2f})")
+                   f"{plan.budget_bytes / 2**30:.2f})")
+  if jax.process_index() == 0:
+    store_plan(path, key, plan)
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
 
 
