@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a GPU machine: `pytest -m gpu` (GPU_TESTS=0 skips it), then the wall time to the end of the first step of
+# `relaymoe-train` run twice for each case NAME:ARGS (first: no plan and, on a fresh machine, an empty JAX cache;
+# second: --overwrite, the plan in OUT/remat_plan.json and the compiled steps kept). Results under $OUT.
+#   bash benchmarks/first_step.sh "a2a_16x4096:--config ep8 runtime.dispatcher=all_to_all runtime.remat=auto"
+#   GPU_TESTS=0 bash benchmarks/first_step.sh "ring_393216:--config ep8 batch_size=1 seq_len=393216 runtime.remat=auto"
+# Wheels the GPU image lacks (tensorboardX, tqdm, tokenizers, safetensors) are installed from .whl/ where missing.
+cd "$(dirname "$0")"
+for pair in tensorboardX:tensorboardx tqdm:tqdm tokenizers:tokenizers safetensors:safetensors; do
+  python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-deps .whl/${pair#*:}-*.whl >> "$OUT/pip.log" 2>&1
+done
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/pip.log" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import jax, sys; print('jax', jax.__version__, 'python', sys.version.split()[0])"; nproc; } > "$OUT/machine.txt" 2>&1
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"
+fi
+for case in "$@"; do
+  name=${case%%:*}; args=${case#*:}
+  for i in 1 2; do
+    extra=""; [ "$i" = 2 ] && extra="--overwrite"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    timeout "${RUN_TIMEOUT:-280}" relaymoe-train $args steps=1 log_every=1 checkpoint_every=0 tensorboard=false \
+      --out "/tmp/$name" $extra > "$OUT/${name}_run$i.log" 2>&1
+    rc=$?
+    python3 -c "import sys, time; print(f'rc={sys.argv[1]} wall_s={time.time() - float(sys.argv[2]):.1f}')" "$rc" "$start" >> "$OUT/${name}_run$i.log"
+  done
+done
