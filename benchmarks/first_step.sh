@@ -5,7 +5,7 @@
 #   bash benchmarks/first_step.sh "a2a_16x4096:--config ep8 runtime.dispatcher=all_to_all runtime.remat=auto"
 #   GPU_TESTS=0 bash benchmarks/first_step.sh "ring_393216:--config ep8 batch_size=1 seq_len=393216 runtime.remat=auto"
 # Wheels the GPU image lacks (tensorboardX, tqdm, tokenizers, safetensors) are installed from .whl/ where missing.
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."
 for pair in tensorboardX:tensorboardx tqdm:tqdm tokenizers:tokenizers safetensors:safetensors; do
   python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-deps .whl/${pair#*:}-*.whl >> "$OUT/pip.log" 2>&1
 done
