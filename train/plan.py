@@ -163,16 +163,16 @@ class Planner:
   def fits(self, plan):
     return plan["total_bytes"] <= self.budget_bytes
 
-  def prefetch(self, policies_, **changes):
-    """Compiles the uniform `policies_` not measured yet all at once, a thread each, where the host has the cores
-    (`concurrent_compiles`): XLA compiles in C++ without holding the GIL, so they take about the time of the
-    slowest rather than their sum. Elsewhere it does nothing and `measure` compiles each when asked."""
-    todo = [p for p in policies_ if self._key(p, changes) not in self._measured]
+  def prefetch(self, candidates, **changes):
+    """Compiles the (remat, keep_gate_up) `candidates` not measured yet all at once, a thread each, where the host
+    has the cores (`concurrent_compiles`): XLA compiles in C++ without holding the GIL, so they take about the time
+    of the slowest rather than their sum. Elsewhere it does nothing and `measure` compiles each when asked."""
+    todo = [(r, keep) for r, keep in candidates if self._key(r, changes, keep) not in self._measured]
     workers = min(len(todo), concurrent_compiles(self.devices))
     if workers < 2:
       return
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      for future in [pool.submit(self.measure, policy, **changes) for policy in todo]:
+      for future in [pool.submit(self.measure, r, keep_gate_up=keep, **changes) for r, keep in todo]:
         future.result()
 
   def plan(self, **changes):
@@ -180,7 +180,7 @@ class Planner:
     fitting, when even that does not fit)."""
     layers = model_config_for(self.run_config).num_hidden_layers
     choices = policies(self.devices)
-    self.prefetch(("none", *choices[:-1]), **changes)
+    self.prefetch([(p, False) for p in ("none", *choices[:-1])], **changes)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
       return self._keeping_gate_up(self._result(("none",) * layers, uniform["none"], changes), changes)
@@ -191,6 +191,9 @@ class Planner:
         return self.plan(**changes)
       return self._result((choices[0],) * layers, uniform[choices[0]], changes)
     remat = self._greedy(uniform, layers, changes)
+    # The plan and, where the ring may keep gate/up, the same plan keeping it: most often both are compiled.
+    keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
+    self.prefetch([(remat, False)] + [(remat, True)] * keep, **changes)
     while True:
       plan = uniform[remat[0]] if len(set(remat)) == 1 else self.measure(remat, **changes)
       if self.fits(plan):
