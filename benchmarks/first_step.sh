@@ -16,13 +16,23 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
 fi
 for case in "$@"; do
   name=${case%%:*}; args=${case#*:}
-  for i in 1 2; do
+  for i in $(seq 1 "${RUNS:-2}"); do
     extra=""; [ "$i" = 2 ] && extra="--overwrite"
+    rm -f "/tmp/$name/metrics.jsonl"
     start=$(date +%s.%N)
     # shellcheck disable=SC2086
     timeout "${RUN_TIMEOUT:-280}" relaymoe-train $args steps=1 log_every=1 checkpoint_every=0 tensorboard=false \
-      --out "/tmp/$name" $extra > "$OUT/${name}_run$i.log" 2>&1
-    rc=$?
-    python3 -c "import sys, time; print(f'rc={sys.argv[1]} wall_s={time.time() - float(sys.argv[2]):.1f}')" "$rc" "$start" >> "$OUT/${name}_run$i.log"
+      --out "/tmp/$name" $extra > "$OUT/${name}_run$i.log" 2>&1 &
+    pid=$!
+    first=""  # seconds to the first step's metrics line, the time to first step
+    while kill -0 "$pid" 2>/dev/null; do
+      if [ -z "$first" ] && [ -s "/tmp/$name/metrics.jsonl" ]; then
+        first=$(python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$start")
+      fi
+      sleep 0.5
+    done
+    wait "$pid"; rc=$?
+    python3 -c "import sys, time; print(f'rc={sys.argv[1]} first_step_s={sys.argv[3] or None} wall_s={time.time() - float(sys.argv[2]):.1f}')" \
+      "$rc" "$start" "$first" >> "$OUT/${name}_run$i.log"
   done
 done
