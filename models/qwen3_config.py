@@ -108,12 +108,6 @@ class RuntimeConfig:
     if isinstance(self.remat, tuple) and len(self.remat) != config.num_hidden_layers:
       raise ValueError(f"remat has {len(self.remat)} entries for {config.num_hidden_layers} layers")
 
-  def as_yaml(self):
-    """A mapping `from_mapping(RuntimeConfig, ...)` reads back (options as a mapping, tuples as lists)."""
-    data = dataclasses.asdict(self)
-    data["dispatcher_options"] = dict(self.dispatcher_options)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-
 
 RUNTIME_FIELDS = frozenset(f.name for f in dataclasses.fields(RuntimeConfig))
 
@@ -150,7 +144,3 @@ def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:
     raise ValueError(f"model config {path_or_name}: {runtime_keys} say how the model runs, not what it is: set "
                      f"them as runtime.KEY (the run config's `runtime` section or a `runtime.KEY=VALUE` override)")
   return from_mapping(Qwen3MoEConfig, data, f"model config {path_or_name}")
-
-
-def load_runtime(data, where="runtime") -> RuntimeConfig:
-  return from_mapping(RuntimeConfig, data, where)

@@ -1,5 +1,6 @@
 """`relaymoe-convert` and the trainer's `init_from`: Hugging Face ↔ orbax ↔ training runs, every tensor bit-exact."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -34,7 +35,7 @@ def hf_dir(tmp_path_factory):
 
 
 # What earlier versions wrote into a model.yaml and a run's config beside the architecture: how the model ran.
-LEGACY_RUNTIME = dict(RuntimeConfig(dtype="float32").as_yaml(), remat="none")
+LEGACY_RUNTIME = dict(dataclasses.asdict(RuntimeConfig(dtype="float32")), dispatcher_options={})
 
 
 def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
