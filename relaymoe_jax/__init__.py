@@ -24,6 +24,7 @@ point here):
   J     key/value heads
   Z     head_dim
 
+    y, aux = rm.nnx.MoE(d_model, num_experts=E, top_k=K, d_ff=F, mesh=mesh, rngs=rngs)(x_BSD)  # or rm.linen.MoE
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
     y_TD = moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh, dispatcher="ring_expert")
     step = jax.jit(loss_and_grads, compiler_options=COMPILER_OPTIONS)  # the rings' sends overlap compute on GPUs
@@ -31,20 +32,23 @@ point here):
 Checks for your own tests, against the dense oracle: `import relaymoe_jax.testing` (not imported here).
 """
 
+from relaymoe_jax import linen_layer as linen, nnx_layer as nnx
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.block import MoEAux
 from relaymoe_jax.compiler import COMPILER_OPTIONS, compiled_bytes
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
-from relaymoe_jax.moe import DISPATCHERS, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
+from relaymoe_jax.moe import DISPATCHERS, DispatchStats, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
 from relaymoe_jax.ring_expert import RingExpert
 from relaymoe_jax.ring_token import RingToken
 from relaymoe_jax.routing import RouterAux, load_balancing_loss, route
 from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
-    "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "EXPERT", "ExpertLayout",
-    "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "compiled_bytes", "dense_moe", "dense_swiglu",
-    "load_balancing_loss", "make_dispatcher", "moe_ffn", "plan_dispatch", "route", "shared_expert",
+    "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "DispatchStats", "EXPERT",
+    "ExpertLayout", "MoEAux", "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "compiled_bytes",
+    "dense_moe", "dense_swiglu", "linen", "load_balancing_loss", "make_dispatcher", "moe_ffn", "nnx", "plan_dispatch",
+    "route", "shared_expert",
 ]

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.grouped_matmul import expert_swiglu, fuse_gate_up, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
@@ -92,3 +93,19 @@ class AllToAll:
                                    backend=resolve_backend(self.backend, layout.mesh))
     return layout.shard_map(per_device, in_specs=(tok, tok, tok, *layout.expert_specs), out_specs=tok)(
         x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+  def dropped_pairs(self, idx_TK, num_experts, *, layout):
+    """int32 count, over the whole mesh, of the pairs this call drops (0 when dropless): a function of the routing
+    alone, so it is computed beside the dispatch, not inside it."""
+    if self.capacity_factor is None:
+      return jnp.zeros((), jnp.int32)
+    n = layout.ring_size
+    slots = slots_per_destination(idx_TK.shape[0] // layout.token_shards, idx_TK.shape[1], num_experts // n, n,
+                                  self.capacity_factor)
+
+    def per_device(idx_TK):
+      counts_NL = make_pair_plan(idx_TK, num_experts).counts_E.reshape(n, num_experts // n)
+      dropped = jnp.sum(counts_NL) - jnp.sum(_kept_rows(counts_NL, slots))
+      return jax.lax.psum(dropped, layout.token_axes)
+
+    return layout.shard_map(per_device, in_specs=(layout.token_spec,), out_specs=P())(idx_TK)

@@ -17,6 +17,22 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from relaymoe_jax.axes import EXPERT
 
 
+def context_mesh():
+  """The mesh of the enclosing `jax.set_mesh`: the concrete one outside `jit`, the abstract one inside (where JAX
+  gives no other).
+
+  Raises:
+    ValueError: when there is none, naming both ways to give one.
+  """
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # inside jit: JAX refuses the concrete mesh there
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):`")
+  return mesh
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
   """Mesh and axis roles of one MoE block call. Hashable, so compiled helpers can be cached on it."""

@@ -6,19 +6,22 @@ relaymoe_jax.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.dense import Dense
-from relaymoe_jax.grouped_matmul import matmul_precision
-from relaymoe_jax.layout import ExpertLayout
+from relaymoe_jax.dense import Dense, dense_moe
+from relaymoe_jax.grouped_matmul import matmul_precision, resolve_backend
+from relaymoe_jax.layout import ExpertLayout, context_mesh
 from relaymoe_jax.ring_expert import RingExpert
 from relaymoe_jax.ring_token import RingToken
+from relaymoe_jax.tokens import fold, pad_rows, padding_for, refuse_vmap, unfold
 
 DISPATCHERS = {
     "ring_expert": RingExpert,
@@ -69,9 +72,6 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
     raise ValueError(f"E={e} experts is not divisible by the size {n} of expert axis {layout.expert_axis!r}")
   if f % layout.tensor_size:
     raise ValueError(f"F={f} is not divisible by the size {layout.tensor_size} of tensor axis {layout.tensor_axis!r}")
-  if t % layout.token_shards:
-    raise ValueError(f"T={t} tokens is not divisible by the {layout.token_shards} token shards of axes "
-                     f"{layout.token_axes}")
   _check_expert_ids(idx_TK, e)
 
 
@@ -88,64 +88,130 @@ def _check_expert_ids(idx_TK, num_experts):
     raise ValueError(f"idx_TK[{t}, {k}] = {ids_TK[t, k]} is not an expert id in [0, {num_experts}){more}")
 
 
-def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, dispatcher="ring_expert",
-            expert_axis=EXPERT, token_axes=None, tensor_axis=None, shared=None, shared_gate_D1=None, **options):
+class DispatchStats(NamedTuple):
+  """What a `moe_ffn` call did beyond its output (`return_stats=True`).
+
+  Attributes:
+    dropped_pairs: int32, token–expert pairs the dispatcher dropped over the whole mesh: those over an
+      all-to-all `capacity_factor`'s slots; 0 for every dropless dispatcher. A dropped pair contributes nothing.
+  """
+
+  dropped_pairs: jax.Array
+
+
+def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, dispatcher="ring_expert",
+            expert_axis=EXPERT, token_axes=None, tensor_axis=None, shared=None, shared_gate_D1=None,
+            return_stats=False, **options):
   """The SwiGLU MoE block: y_TD = Σ_k w_TK[t,k] · SwiGLU_{idx_TK[t,k]}(x_TD[t]).
 
   Works on global `jax.Array`s, inside or outside `jax.jit`, under `jax.grad`; differentiable with respect to
-  x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded. Zero tokens give an empty
-  y_TD (and zero expert-weight gradients) with every dispatcher, which is not run.
+  x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded. Any number of tokens: T not
+  divisible by the token shards is padded inside with rows that route nowhere (they cost nothing in the rings).
+  Zero tokens give an empty y_TD (and zero expert-weight gradients) with every dispatcher, which is not run. Not
+  under `jax.vmap` (a ValueError says why): pass the batch as leading dims of x instead.
 
   Expert ids outside [0, E) raise a ValueError where idx_TK's values are known (an eager call, or a constant under
   `jit`); traced under `jit`, such a (token, expert) pair contributes nothing, with every dispatcher: no output,
   a zero gradient for its router weight, and no effect on any other pair.
 
   Args:
-    x_TD: tokens [T, D], float32 or bfloat16.
-    idx_TK: int expert ids [T, K] in [0, E) (from `route`).
-    w_TK: router weights [T, K], x's dtype.
+    x_TD: tokens [..., D] (e.g. [T, D] or [B, S, D]; leading dims are folded into T), float32 or bfloat16.
+    idx_TK: int expert ids [..., K] in [0, E) (from `route`), x's leading dims.
+    w_TK: router weights [..., K], x's dtype.
     w_gate_EDF, w_up_EDF, w_down_EFD: SwiGLU expert weights, x's dtype.
-    mesh: a `jax.sharding.Mesh` (Explicit axes from `jax.make_mesh`, or Auto).
+    mesh: a `jax.sharding.Mesh` (Explicit axes from `jax.make_mesh`, or Auto); None: the `jax.set_mesh` context's.
     dispatcher: a name in `DISPATCHERS` ("ring_expert", "all_to_all", "dense") or a dispatcher instance.
     expert_axis: mesh axis the experts are split over; the ring runs along it.
     token_axes: mesh axes the tokens are split over (default: all axes of the mesh but tensor_axis).
     tensor_axis: mesh axis that splits F of every expert (expert tensor parallelism), or None.
     shared: optional Qwen2-MoE shared expert (w_gate_DF, w_up_DF, w_down_FD), computed locally outside the ring
       and added to the output; scaled by sigmoid(x · shared_gate_D1) when that is given.
+    return_stats: also return a `DispatchStats` (the pairs a capacity factor dropped).
     **options: the named dispatcher's own options, e.g. `chunk_rows=` (ring_expert), `capacity_factor=`
       (all_to_all), `backend=`.
 
   Returns:
-    y_TD in x's dtype. On an Explicit mesh, sharded as x_TD came (so a residual `x + y` type-checks); on an Auto
-    mesh, over the token axes.
+    y_TD, x's shape and dtype (with `return_stats`, `(y_TD, DispatchStats)`). On an Explicit mesh, sharded as x_TD
+    came (so a residual `x + y` type-checks); on an Auto mesh, over the token axes.
 
   Raises:
-    ValueError: naming the bad value: shapes, dtypes, top-k, divisibility by the mesh axes, unknown dispatcher or
-      option, and (where known) expert ids out of range.
+    ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher or option,
+      (where known) expert ids out of range, no mesh, and a call under `jax.vmap`.
   """
-  layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=tuple(token_axes or ()),
-                        tensor_axis=tensor_axis)
+  layout = ExpertLayout(mesh=context_mesh() if mesh is None else mesh, expert_axis=expert_axis,
+                        token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis)
+  dispatcher = _dispatcher_for(layout, dispatcher, options)
+  _check_ranks(x_TD, idx_TK, w_TK)
+  x_sharding, x_in = layout.caller_sharding(x_TD), x_TD
+  x_TD, idx_TK, w_TK = (fold(layout, a) for a in (x_TD, idx_TK, w_TK))
+  _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout)
+  if shared is not None:
+    _check_shared(x_TD, shared, shared_gate_D1)
+  x_TD, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD = refuse_vmap((x_TD, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD))
+  y_TD, dropped = _sharded_block(layout, dispatcher, x_TD, idx_TK.astype(jnp.int32), w_TK, w_gate_EDF, w_up_EDF,
+                                 w_down_EFD, count_drops=return_stats)
+  if shared is not None:
+    y_TD = y_TD + _shared_where_y_is(layout, x_TD, shared, shared_gate_D1)
+  y = layout.restore(unfold(layout, y_TD, x_in), x_sharding)
+  return (y, DispatchStats(dropped_pairs=dropped)) if return_stats else y
+
+
+def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, count_drops):
+  """(y_TD, dropped pairs): padding, placement and the dispatcher. y_TD is over the token axes, or replicated on an
+  Explicit mesh where T was padded (T rows do not split evenly over them)."""
+  t, num_experts, tok = x_TD.shape[0], w_gate_EDF.shape[0], layout.token_spec
+  if t == 0:
+    # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
+    # token ring's backward shard_map over empty shards (JAX 0.10.2: no GlobalToLocalShape for its operand).
+    return layout.place(jnp.zeros_like(x_TD), tok), jnp.zeros((), jnp.int32)
+  pad = padding_for(layout, t)
+  x_TD, idx_TK, w_TK = (layout.place(a, P()) if pad and layout.explicit else a for a in (x_TD, idx_TK, w_TK))
+  x_TD, idx_TK, w_TK = (layout.place(pad_rows(a, pad, v), tok)
+                        for a, v in ((x_TD, 0), (idx_TK, num_experts), (w_TK, 0)))
+  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in
+                                      zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
+  weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+  if isinstance(dispatcher, Dense):
+    # The oracle's global-array math needs a mesh context under an Explicit mesh inside a caller's jit; in a
+    # shard_map over replicated inputs it runs on every device without one.
+    y_TD = layout.place(layout.shard_map(dense_moe, in_specs=(P(),) * 6, out_specs=P())(
+        *(layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, *weights))), tok)
+  else:
+    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout)
+  count = getattr(dispatcher, "dropped_pairs", None) if count_drops else None
+  dropped = count(idx_TK, num_experts, layout=layout) if count else jnp.zeros((), jnp.int32)
+  return (layout.place(y_TD, P())[:t] if pad else y_TD), dropped
+
+
+def _shared_where_y_is(layout, x_TD, shared, gate_D1):
+  """The shared expert on x placed as the block's output is: over the token axes, or replicated where T needed
+  padding."""
+  spec = P() if padding_for(layout, x_TD.shape[0]) else layout.token_spec
+  x_TD = layout.place(x_TD, spec)
+  if not layout.explicit:
+    return shared_expert(x_TD, *shared, gate_D1)
+  # Per device in a shard_map: as global math on an Explicit mesh outside `jax.set_mesh`, the weight gradients
+  # (contractions over the sharded tokens) are refused as ambiguously sharded.
+  weights = tuple(layout.place(w, P()) for w in (*shared, *([] if gate_D1 is None else [gate_D1])))
+  return layout.shard_map(shared_expert, in_specs=(spec,) + (P(),) * len(weights), out_specs=spec)(x_TD, *weights)
+
+
+def _dispatcher_for(layout, dispatcher, options):
   if isinstance(dispatcher, str):
     dispatcher = make_dispatcher(dispatcher, **options)
   elif options:
     raise ValueError(f"options {sorted(options)} are given with a dispatcher instance; set them on the instance")
-  _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout)
-  if shared is not None:
-    _check_shared(x_TD, shared, shared_gate_D1)
-  tok = layout.token_spec
-  x_sharding = layout.caller_sharding(x_TD)
-  x_TD, idx_TK, w_TK = (layout.place(a, tok) for a in (x_TD, idx_TK.astype(jnp.int32), w_TK))
-  if x_TD.shape[0] == 0:
-    # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
-    # token ring's backward shard_map over empty shards (JAX 0.10.2: no GlobalToLocalShape for its operand).
-    y_TD = layout.place(jnp.zeros_like(x_TD), tok)
-  else:
-    w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in
-                                        zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
-    y_TD = dispatcher(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout)
-  if shared is not None:
-    y_TD = y_TD + shared_expert(x_TD, *shared, shared_gate_D1)
-  return layout.restore(y_TD, x_sharding)
+  if isinstance(layout.mesh, AbstractMesh) and getattr(dispatcher, "backend", None) == "auto":
+    # Inside jit the context gives only an abstract mesh, which names no device to choose a backend by.
+    dispatcher = dataclasses.replace(dispatcher, backend=resolve_backend("auto"))
+  return dispatcher
+
+
+def _check_ranks(x, idx, w):
+  if x.ndim < 2 or idx.ndim != x.ndim or w.ndim != x.ndim or idx.shape[:-1] != x.shape[:-1] or \
+      w.shape[:-1] != x.shape[:-1]:
+    raise ValueError(f"expected x_TD [..., D], idx_TK and w_TK [..., K] with x_TD's leading dims; got x_TD "
+                     f"{x.shape}, idx_TK {idx.shape}, w_TK {w.shape}")
 
 
 def dense_swiglu(x_TD, w_gate_DF, w_up_DF, w_down_FD):

@@ -4,6 +4,7 @@ No communication of its own: it runs on global arrays and XLA partitions it alon
 letters: see relaymoe_jax.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -49,16 +50,16 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   loss), not the NaN of a mean over nothing.
 
   Args:
-    x_TD: tokens, any floating dtype.
+    x_TD: tokens [..., D] (any leading dims: [T, D], [B, S, D]), any floating dtype.
     router_DE: router weight (no bias).
     top_k: experts per token, 1 ≤ top_k ≤ E.
     norm_topk_prob: renormalise the k probabilities to sum to one (Qwen3 default).
 
   Returns:
-    (idx_TK int32 expert ids, w_TK router weights in x's dtype, RouterAux).
+    (idx_TK int32 expert ids [..., K], w_TK router weights [..., K] in x's dtype, RouterAux over every token).
   """
-  if x_TD.ndim != 2 or router_DE.ndim != 2 or x_TD.shape[1] != router_DE.shape[0]:
-    raise ValueError(f"route expects x_TD [T, D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
+  if x_TD.ndim < 1 or router_DE.ndim != 2 or x_TD.shape[-1] != router_DE.shape[0]:
+    raise ValueError(f"route expects x_TD [..., D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
     raise ValueError(f"route expects floating-point x_TD; got dtype {x_TD.dtype}")
   num_experts = router_DE.shape[1]
@@ -70,10 +71,11 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   w_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
   if norm_topk_prob:
     w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
-  counts_E = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=jnp.int32), axis=(0, 1))
-  tokens = max(x_TD.shape[0], 1)  # means over tokens: 0 over none
+  lead = tuple(range(x_TD.ndim - 1))
+  counts_E = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=jnp.int32), axis=(*lead, x_TD.ndim - 1))
+  tokens = max(math.prod(x_TD.shape[:-1]), 1)  # means over tokens: 0 over none
   fraction_E = counts_E.astype(jnp.float32) / tokens
-  mean_prob_E = jnp.sum(probs_TE, axis=0) / tokens
+  mean_prob_E = jnp.sum(probs_TE, axis=lead) / tokens
   aux = RouterAux(
       load_balancing_loss=num_experts * jnp.sum(fraction_E * mean_prob_E),
       expert_counts_E=counts_E,

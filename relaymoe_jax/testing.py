@@ -12,12 +12,15 @@ Closeness is the max-norm relative error max|a − b| / max|b| of each array, no
 gradient's small entries carry the absolute rounding of its large ones. Shape letters: see relaymoe_jax.
 """
 
+import dataclasses
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.moe import moe_ffn
@@ -90,14 +93,15 @@ def cotangent(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "dispatcher", "axes", "options"))
-def _values_and_grads(inputs, c_TD, *, mesh, dispatcher, axes, options):
+@functools.partial(jax.jit, static_argnames=("block", "mesh", "dispatcher", "axes", "options"))
+def _values_and_grads(inputs, c_TD, *, block, mesh, dispatcher, axes, options):
   expert_axis, token_axes, tensor_axis = axes
+  if block is None:
+    block = functools.partial(moe_ffn, mesh=mesh, dispatcher=dispatcher, expert_axis=expert_axis,
+                              token_axes=token_axes, tensor_axis=tensor_axis, **dict(options))
 
   def loss(diff, idx_TK):
-    y_TD = moe_ffn(diff["x_TD"], idx_TK, diff["w_TK"], diff["w_gate_EDF"], diff["w_up_EDF"], diff["w_down_EFD"],
-                   mesh=mesh, dispatcher=dispatcher, expert_axis=expert_axis, token_axes=token_axes,
-                   tensor_axis=tensor_axis, **dict(options))
+    y_TD = block(diff["x_TD"], idx_TK, diff["w_TK"], diff["w_gate_EDF"], diff["w_up_EDF"], diff["w_down_EFD"])
     return jnp.sum(y_TD.astype(jnp.float32) * c_TD), y_TD
 
   diff = {name: inputs[name] for name in DIFF_ARGS}
@@ -105,9 +109,10 @@ def _values_and_grads(inputs, c_TD, *, mesh, dispatcher, axes, options):
   return y_TD, grads
 
 
-def values_and_grads(inputs, *, mesh, dispatcher, expert_axis=EXPERT, token_axes=None, tensor_axis=None,
-                     cotangent_seed=0, **options):
-  """`moe_ffn`'s output and the gradients of Σ y·c (c = `cotangent`) w.r.t. everything it is differentiable in.
+def values_and_grads(inputs, *, mesh=None, dispatcher=None, block=None, expert_axis=EXPERT, token_axes=None,
+                     tensor_axis=None, cotangent_seed=0, **options):
+  """`moe_ffn`'s (or `block`'s) output and the gradients of Σ y·c (c = `cotangent`) w.r.t. everything it is
+  differentiable in.
 
   Jitted with idx_TK traced, so out-of-range ids are not rejected but take the jit behaviour (see `moe_ffn`), and
   calls with the same shapes, mesh, dispatcher and options share one compiled function.
@@ -115,6 +120,9 @@ def values_and_grads(inputs, *, mesh, dispatcher, expert_axis=EXPERT, token_axes
   Args:
     inputs: `moe_ffn`'s arrays by name (`MOE_ARGS`), e.g. from `random_moe_inputs`.
     mesh, dispatcher, expert_axis, token_axes, tensor_axis, **options: as for `moe_ffn`.
+    block: instead of `moe_ffn` and those, a callable with `moe_ffn`'s positional signature (x_TD, idx_TK, w_TK,
+      w_gate_EDF, w_up_EDF, w_down_EFD) returning y_TD; hashable (a function, not a fresh lambda per call, shares
+      the compiled function).
     cotangent_seed: seed of c.
 
   Returns:
@@ -122,44 +130,144 @@ def values_and_grads(inputs, *, mesh, dispatcher, expert_axis=EXPERT, token_axes
   """
   axes = (expert_axis, tuple(token_axes) if token_axes else None, tensor_axis)
   c_TD = cotangent(inputs["x_TD"].shape, cotangent_seed)
-  return _values_and_grads({name: inputs[name] for name in MOE_ARGS}, c_TD, mesh=mesh, dispatcher=dispatcher,
-                           axes=axes, options=tuple(sorted(options.items())))
+  return _values_and_grads({name: inputs[name] for name in MOE_ARGS}, c_TD, block=block, mesh=mesh,
+                           dispatcher=dispatcher, axes=axes, options=tuple(sorted(options.items())))
 
 
 def dense_oracle(inputs, **kwargs):
-  """`values_and_grads` of the "dense" dispatcher on float32 copies of `inputs` (bfloat16 inputs stay as rounded);
-  kwargs: the same mesh and axes, no dispatcher options."""
+  """`values_and_grads` of `moe_ffn`'s "dense" dispatcher on float32 copies of `inputs` (bfloat16 inputs stay as
+  rounded); kwargs: the same mesh and axes, no dispatcher options."""
   f32 = {k: v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in inputs.items()}
   return values_and_grads(f32, dispatcher="dense", **kwargs)
 
 
-def assert_matches_dense_oracle(*, mesh, dispatcher, rtol, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                                expert_axis=EXPERT, token_axes=None, tensor_axis=None, cotangent_seed=0, **options):
-  """Asserts that `moe_ffn` under `dispatcher` equals the dense float32 oracle, in values and in the gradients
-  w.r.t. x_TD, w_TK and the three expert weights.
+def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol, x_TD, idx_TK, w_TK, w_gate_EDF,
+                                w_up_EDF, w_down_EFD, expert_axis=EXPERT, token_axes=None, tensor_axis=None,
+                                cotangent_seed=0, **options):
+  """Asserts that your MoE block (`block`, or `moe_ffn` under `dispatcher`) equals the dense float32 oracle, in
+  values and in the gradients w.r.t. x_TD, w_TK and the three expert weights.
 
-  Also asserts that y_TD and every gradient have their input's shape and dtype and are finite.
+  Also asserts that y_TD and every gradient have their input's shape and dtype and are finite. A failure names each
+  array over rtol, the experts whose weight gradients differ and the token rows whose output or dx differ, so a
+  wrapper that permutes experts or mixes up rows shows where.
 
   Args:
-    mesh, dispatcher, expert_axis, token_axes, tensor_axis, **options: as for `moe_ffn`.
+    block: a callable with `moe_ffn`'s positional signature (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
+      w_down_EFD) returning y_TD: your wrapper around it. None: `moe_ffn` with `dispatcher` and the arguments
+      below. (For a Flax layer, see `assert_layer_matches_dense_oracle`.)
+    mesh, dispatcher, expert_axis, token_axes, tensor_axis, **options: as for `moe_ffn`; the oracle runs on
+      `mesh` (None: the `jax.set_mesh` context's) with these axes.
     rtol: the largest max-norm relative error allowed per array (float32: ~1e-5; bfloat16: ~3e-2).
-    x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD: `moe_ffn`'s inputs.
+    x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD: the block's inputs.
     cotangent_seed: seed of the output cotangent the gradients are taken against.
 
   Returns:
     the relative error of each array, keyed "y_TD" and "d" + input name ("dx_TD", "dw_gate_EDF", ...).
 
   Raises:
-    AssertionError: naming each array that differs by more than rtol, or a shape, dtype or non-finite value.
+    AssertionError: naming each array that differs by more than rtol (with its experts or rows), or a shape,
+      dtype or non-finite value.
   """
+  if (block is None) == (dispatcher is None):
+    raise ValueError("give one of block= (your callable) and dispatcher= (moe_ffn's)")
   inputs = dict(x_TD=x_TD, idx_TK=idx_TK, w_TK=w_TK, w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF,
                 w_down_EFD=w_down_EFD)
   axes = dict(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis,
               cotangent_seed=cotangent_seed)
-  y_TD, grads = values_and_grads(inputs, dispatcher=dispatcher, **axes, **options)
+  y_TD, grads = values_and_grads(inputs, block=block, dispatcher=dispatcher, **axes, **options)
   chex.assert_trees_all_equal_shapes_and_dtypes((y_TD, grads), (x_TD, {k: inputs[k] for k in DIFF_ARGS}))
   y_ref, grads_ref = dense_oracle(inputs, **axes)
-  return assert_trees_close(_named(y_TD, grads), _named(y_ref, grads_ref), rtol)
+  actual, expected = _named(y_TD, grads), _named(y_ref, grads_ref)
+  try:
+    return assert_trees_close(actual, expected, rtol)
+  except AssertionError as e:
+    raise AssertionError(f"{e}; {where_they_differ(actual, expected, rtol)}") from None
+
+
+def layer_values_and_grads(layer, x, *, variables=None, dispatcher=None, float32=False, cotangent_seed=0):
+  """A MoE layer's output and the gradients of Σ y·c w.r.t. x and every parameter, jitted.
+
+  Args:
+    layer: an `rm.linen.MoE` (with `variables`) or an `rm.nnx.MoE`.
+    x: its input [..., D].
+    dispatcher: if given, replaces the layer's (and drops its options).
+    float32: run on float32 copies of x and the parameters, computing in float32.
+
+  Returns:
+    (y, {"x": dx, "params": {name: gradient}}).
+  """
+  c = cotangent(x.shape, cotangent_seed)
+  changes = dict(dispatcher=dispatcher, dispatcher_options=None) if dispatcher is not None else {}
+  if float32:
+    changes["dtype"] = jnp.float32
+    x = x.astype(jnp.float32)
+  if isinstance(layer, nn.Module):
+    module, params = layer.clone(**changes), variables["params"]
+    apply = module.apply
+
+    def run(params, x):
+      return apply({"params": params}, x)[0]
+  else:
+    graphdef, params = nnx.split(layer, nnx.Param)
+    config = dataclasses.replace(layer.config, **changes)
+
+    def run(params, x):
+      module = nnx.merge(graphdef, params)
+      module.config = config
+      return module(x)[0]
+
+  if float32:
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+
+  @jax.jit
+  def values_and_grads(params, x):
+    def loss(params, x):
+      y = run(params, x)
+      return jnp.sum(y.astype(jnp.float32) * c), y
+    (_, y), (d_params, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, {"x": dx, "params": d_params}
+
+  return values_and_grads(params, x)
+
+
+def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotangent_seed=0):
+  """Asserts that a MoE layer (`rm.linen.MoE` with its `variables`, or `rm.nnx.MoE`) equals itself under the
+  dense float32 oracle dispatcher, in values and in the gradients w.r.t. x and every parameter (router, experts,
+  shared expert).
+
+  Returns:
+    the relative error of each array ("y", "x", and "params" by name).
+
+  Raises:
+    AssertionError: naming each array over rtol, a shape (y must have x's), a dtype (y: the layer's compute
+      dtype, else x's) or a non-finite value.
+  """
+  kw = dict(variables=variables, cotangent_seed=cotangent_seed)
+  y, grads = layer_values_and_grads(layer, x, **kw)
+  config = layer.block_config() if isinstance(layer, nn.Module) else layer.config
+  chex.assert_shape(y, x.shape)
+  chex.assert_type(y, config.dtype or x.dtype)
+  y_ref, grads_ref = layer_values_and_grads(layer, x, dispatcher="dense", float32=True, **kw)
+  return assert_trees_close(dict(y=y, **grads), dict(y=y_ref, **grads_ref), rtol)
+
+
+def where_they_differ(actual, expected, rtol):
+  """Which experts (dim 0 of the "dw_*_E.." arrays) and which token rows (dim 0 of "y_TD", "dx_TD", "dw_TK")
+  differ, each slice judged against its whole array's max |b|: a sentence for an assertion message."""
+  experts, rows = set(), set()
+  for name, a in actual.items():
+    a, b = np.asarray(a, np.float32), np.asarray(expected[name], np.float32)
+    if not b.size:
+      continue
+    bad = np.max(np.abs(a - b).reshape(a.shape[0], -1), axis=1) > rtol * max(float(np.max(np.abs(b))), 1e-30)
+    (experts if name.startswith("dw_") and name != "dw_TK" else rows).update(np.flatnonzero(bad).tolist())
+  return "experts that differ: {}; token rows that differ: {}".format(_listed(experts), _listed(rows))
+
+
+def _listed(ids, most=16):
+  ids = sorted(ids)
+  more = f" (and {len(ids) - most} more)" if len(ids) > most else ""
+  return (str(ids[:most]) + more) if ids else "none"
 
 
 def _named(y_TD, grads):

@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
@@ -91,3 +92,96 @@ def test_default_chunk_ladder():
   assert default_chunk_rows(65536, 8, 1) == (524288,) and default_chunk_rows(100, 3, 1) == (384,)
   assert default_chunk_rows(65536, 8, 1, row_cap=131072) == (126976, 31744, 7936)
   assert chunk_ladder(4095) == (4095,) and chunk_ladder(4096) == (4096, 1024)
+
+
+ODD_CASES = [pytest.param(d, False, id=f"{d}-auto") for d in sorted(rm.DISPATCHERS)] + [
+    pytest.param(d, True, id=f"{d}-explicit", marks=() if d in ("ring_expert", "dense") else pytest.mark.slow)
+    for d in sorted(rm.DISPATCHERS)]
+
+
+@pytest.mark.parametrize("dispatcher, explicit", ODD_CASES)
+def test_odd_token_counts_are_padded_inside(dispatcher, explicit):
+  """T = 60 on 8 token shards: padding rows route nowhere; values and every gradient match the oracle (itself
+  padded, so for "dense" y is also checked against the unpadded dense math)."""
+  mesh = mesh_of((2, 4), DATA_EXPERT, explicit=explicit)
+  layer = random_layer(5, 60, 16, 24, 16, 4)
+  rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher=dispatcher, rtol=F32_RTOL, **layer)
+  if dispatcher == "dense":
+    y = rm.moe_ffn(*(layer[a] for a in ARGS), mesh=mesh, dispatcher=dispatcher)
+    assert_close(y, rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_batch_seq_input_and_mesh_from_the_context(explicit):
+  """x [B, S, D] with routing [B, S, K], no mesh= (the `jax.set_mesh` context's, eager and under jit), renamed
+  axes, a shared expert: y [B, S, D] as the [T, D] call gives it, sharded as x came on an Explicit mesh."""
+  mesh = mesh_of((2, 4), ("rows", "experts"), explicit=explicit)
+  layer = random_layer(6, 24, 16, 24, 16, 4)
+  rng = np.random.default_rng(6)
+  shared = tuple(jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((16, 8), (16, 8), (8, 16)))
+  gate_D1 = jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)
+  bsd = {k: v.reshape(4, 6, -1) if k in ARGS[:3] else v for k, v in layer.items()}
+  kw = dict(expert_axis="experts", shared=shared, shared_gate_D1=gate_D1)
+  expected = rm.moe_ffn(*(layer[a] for a in ARGS), mesh=mesh, dispatcher="dense", **kw)
+  with jax.set_mesh(mesh):
+    x_BSD = jax.device_put(bsd["x_TD"], NamedSharding(mesh, P("rows")))
+    eager = rm.moe_ffn(x_BSD, *(bsd[a] for a in ARGS[1:]), **kw)
+    jitted = jax.jit(lambda x, *rest: rm.moe_ffn(x, *rest, **kw))(x_BSD, *(bsd[a] for a in ARGS[1:]))
+  for y in (eager, jitted):
+    assert y.shape == (4, 6, 16)
+    assert_close(y.reshape(24, 16), expected, F32_RTOL, "y")
+  if explicit:
+    assert tuple(eager.sharding.spec)[:1] == ("rows",), eager.sharding
+
+
+def test_no_mesh_anywhere_is_named():
+  layer = random_layer(0, 16, 8, 12, 8, 2)
+  with pytest.raises(ValueError, match="no mesh: pass mesh="):
+    rm.moe_ffn(*(layer[a] for a in ARGS))
+
+
+def test_dense_under_callers_jit_on_an_explicit_mesh_without_set_mesh():
+  mesh = mesh_of((2, 4), DATA_EXPERT, explicit=True)
+  layer = random_layer(7, 64, 16, 24, 16, 4)
+  loss = jax.jit(jax.grad(lambda x, *rest: jnp.sum(rm.moe_ffn(x, *rest, mesh=mesh, dispatcher="dense") ** 2)))
+  dx = loss(*(layer[a] for a in ARGS))
+  expected = jax.grad(lambda x: jnp.sum(rm.dense_moe(x, *(layer[a] for a in ARGS[1:])) ** 2))(layer["x_TD"])
+  assert_close(dx, expected, F32_RTOL, "dx")
+
+
+def test_capacity_drops_are_counted():
+  """Skewed routing overflows a capacity factor of 1: `return_stats` counts the dropped pairs; dropless
+  dispatchers report 0."""
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  layer = random_layer(8, 32, 16, 24, 8, 2, skew=True)
+
+  def stats(dispatcher, **options):
+    call = lambda *a: rm.moe_ffn(*a, mesh=mesh, dispatcher=dispatcher, return_stats=True, **options)[1]
+    return int(jax.jit(call)(*(layer[a] for a in ARGS)).dropped_pairs)
+
+  # Per device: 8 tokens · 2 pairs, all to partition 0, whose slots hold ceil(1.0 · 16 / 4) = 4 rows.
+  assert stats("all_to_all", capacity_factor=1.0) == 4 * (16 - 4)
+  assert stats("all_to_all") == 0 and stats("dense") == 0
+
+
+def test_vmap_over_tokens_is_refused_with_the_way_out():
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  layer = random_layer(9, 32, 16, 24, 8, 2)
+  batched = {k: v.reshape(2, 16, -1) if k in ARGS[:3] else v for k, v in layer.items()}
+  block = lambda x, i, w: rm.moe_ffn(x, i, w, *(layer[a] for a in ARGS[3:]), mesh=mesh)
+  with pytest.raises(ValueError, match=r"cannot run under jax.vmap.*take x \[\.\.\., D\]"):
+    jax.vmap(block)(*(batched[a] for a in ARGS[:3]))
+  with pytest.raises(ValueError, match="cannot run under jax.vmap"):
+    jax.grad(lambda x: jnp.sum(jax.vmap(block)(x, *(batched[a] for a in ARGS[1:3]))))(batched["x_TD"])
+  # The way out: the batch as leading dims.
+  y = block(*(batched[a] for a in ARGS[:3]))
+  assert_close(y.reshape(32, 16), rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")
+
+
+def test_route_takes_any_leading_dims():
+  x_TD = jnp.asarray(np.random.default_rng(10).normal(size=(24, 16)), jnp.float32)
+  router_DE = jnp.asarray(np.random.default_rng(11).normal(size=(16, 8)), jnp.float32)
+  flat = rm.route(x_TD, router_DE, top_k=2)
+  idx_BSK, w_BSK, aux = rm.route(x_TD.reshape(4, 6, 16), router_DE, top_k=2)
+  assert idx_BSK.shape == (4, 6, 2) and w_BSK.shape == (4, 6, 2)
+  chex.assert_trees_all_close((idx_BSK.reshape(24, 2), w_BSK.reshape(24, 2), aux), flat, rtol=1e-6)

@@ -57,11 +57,44 @@ def test_a_correct_block_passes_and_every_array_is_reported():
 
 @pytest.mark.parametrize("dispatcher, message", [
     (_Scaled(factor=1.001), r"\['y_TD'\] 0.001"),
-    (_FrozenDown(), r"relative error over rtol=1e-05: \['dw_down_EFD'\] 1$"),
+    (_FrozenDown(), r"relative error over rtol=1e-05: \['dw_down_EFD'\] 1; experts that differ: \[0, 1, 2, 3, 4, 5, "
+                    r"6, 7\]; token rows that differ: none$"),
 ], ids=["values", "one gradient"])
 def test_a_wrong_block_fails_naming_the_array(dispatcher, message):
   with pytest.raises(AssertionError, match=message):
     rmt.assert_matches_dense_oracle(mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher=dispatcher, rtol=1e-5, **_inputs())
+
+
+def _permuted_experts(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """A user's wrapper with a bug: experts 2 and 5 swapped in the weights it passes on."""
+  perm = jnp.array([0, 1, 5, 3, 4, 2, 6, 7])
+  return rm.moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF[perm], w_up_EDF[perm], w_down_EFD[perm],
+                    mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher="ring_expert")
+
+
+def _correct_wrapper(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  return rm.moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, mesh=mesh_of((4,), (rm.EXPERT,)),
+                    dispatcher="all_to_all")
+
+
+def test_a_users_block_is_checked_and_a_permuted_expert_wrapper_is_caught_by_expert():
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  errors = rmt.assert_matches_dense_oracle(_correct_wrapper, mesh=mesh, rtol=1e-5, **_inputs())
+  assert max(errors.values()) <= 1e-5
+  with pytest.raises(AssertionError, match=r"experts that differ: \[2, 5\]; token rows that differ: \[\d"):
+    rmt.assert_matches_dense_oracle(_permuted_experts, mesh=mesh, rtol=1e-5, **_inputs())
+
+
+def test_where_they_differ_names_experts_and_rows():
+  expected = dict(y_TD=jnp.ones((6, 2)), dw_gate_EDF=jnp.ones((4, 2, 3)))
+  actual = dict(y_TD=expected["y_TD"].at[3, 1].set(2.0), dw_gate_EDF=expected["dw_gate_EDF"].at[1].set(0.0))
+  assert rmt.where_they_differ(actual, expected, 1e-3) == "experts that differ: [1]; token rows that differ: [3]"
+
+
+def test_block_and_dispatcher_are_one_or_the_other():
+  with pytest.raises(ValueError, match="give one of block="):
+    rmt.assert_matches_dense_oracle(_correct_wrapper, mesh=mesh_of((4,), (rm.EXPERT,)), dispatcher="dense",
+                                    rtol=1e-5, **_inputs())
 
 
 def test_a_block_returning_another_dtype_fails():

@@ -1,0 +1,98 @@
+"""The MoE block as a layer computes it, for the Flax layers (`linen_layer`, `nnx_layer`) to share: parameter
+shapes and shardings, and route → moe_ffn (+ shared expert) on x [..., D] returning (y, MoEAux).
+
+No communication of its own (`moe_ffn`'s). Shape letters: see relaymoe_jax.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.moe import moe_ffn
+from relaymoe_jax.routing import RouterAux, route
+
+
+class MoEAux(NamedTuple):
+  """A layer's auxiliary outputs.
+
+  Attributes:
+    router: `RouterAux` (load-balancing loss, z-loss, per-expert counts, f and P); over several layers,
+      `rm.load_balancing_loss([aux.router for aux in auxes])`.
+    dropped_pairs: int32, token–expert pairs an all-to-all `capacity_factor` dropped (0 when dropless).
+  """
+
+  router: RouterAux
+  dropped_pairs: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+  """What both layers take: the block's sizes, where it runs and how.
+
+  Attributes:
+    num_experts, top_k, d_ff: E, K and each expert's F (D comes from the input).
+    shared_d_ff: the Qwen2-MoE shared expert's F, None for none; it is scaled by sigmoid(x · gate) when
+      `shared_gate`.
+    norm_topk_prob: renormalise the top-k router probabilities (Qwen3).
+    mesh: the mesh, None for the `jax.set_mesh` context's.
+    dispatcher: a name in `rm.DISPATCHERS` or an instance; `dispatcher_options` its options as a dict.
+    expert_axis, token_axes, tensor_axis: as for `moe_ffn`.
+    dtype: compute dtype (parameters are cast to it), None for the input's.
+  """
+
+  num_experts: int
+  top_k: int
+  d_ff: int
+  shared_d_ff: int | None = None
+  shared_gate: bool = True
+  norm_topk_prob: bool = True
+  mesh: Any = None
+  dispatcher: Any = "ring_expert"
+  dispatcher_options: Any = None
+  expert_axis: str = EXPERT
+  token_axes: tuple[str, ...] | None = None
+  tensor_axis: str | None = None
+  dtype: Any = None
+
+
+def param_shapes(config, d_model):
+  """{name: (shape, PartitionSpec entries, fan-in)} of every parameter the block holds."""
+  e, d, f, ax, tp = config.num_experts, d_model, config.d_ff, config.expert_axis, config.tensor_axis
+  params = dict(router_DE=((d, e), (None, None), d), w_gate_EDF=((e, d, f), (ax, None, tp), d),
+                w_up_EDF=((e, d, f), (ax, None, tp), d), w_down_EFD=((e, f, d), (ax, tp, None), f))
+  if config.shared_d_ff:
+    fs = config.shared_d_ff
+    params.update(shared_gate_DF=((d, fs), (None, None), d), shared_up_DF=((d, fs), (None, None), d),
+                  shared_down_FD=((fs, d), (None, None), fs))
+    if config.shared_gate:
+      params["shared_gate_D1"] = ((d, 1), (None, None), d)
+  return params
+
+
+def moe_block(config, params, x):
+  """y = the MoE block on x [..., D] (any leading dims), and its `MoEAux`.
+
+  Args:
+    config: `BlockConfig`.
+    params: {name: array} as `param_shapes` names them.
+    x: [..., D] tokens.
+
+  Returns:
+    (y with x's shape and the compute dtype, MoEAux).
+  """
+  dtype = config.dtype or x.dtype
+  p = {name: jnp.asarray(a).astype(dtype) for name, a in params.items()}
+  x = x.astype(dtype)
+  idx_TK, w_TK, router_aux = route(x, p["router_DE"], top_k=config.top_k, norm_topk_prob=config.norm_topk_prob)
+  shared = {}
+  if config.shared_d_ff:
+    shared = dict(shared=(p["shared_gate_DF"], p["shared_up_DF"], p["shared_down_FD"]),
+                  shared_gate_D1=p.get("shared_gate_D1"))
+  y, stats = moe_ffn(x, idx_TK, w_TK, p["w_gate_EDF"], p["w_up_EDF"],
+                     p["w_down_EFD"], mesh=config.mesh, dispatcher=config.dispatcher,
+                     expert_axis=config.expert_axis, token_axes=config.token_axes, tensor_axis=config.tensor_axis,
+                     return_stats=True, **shared, **dict(config.dispatcher_options or {}))
+  return y, MoEAux(router=router_aux, dropped_pairs=stats.dropped_pairs)

@@ -1,0 +1,72 @@
+"""`MoE` for Flax Linen: router + experts (+ optional shared expert) through `moe_ffn`, x [..., D] in and out.
+
+No communication of its own (`moe_ffn`'s). Parameters are `nn.Partitioned` over the mesh axes (experts over the
+expert axis, F over the tensor axis under expert tensor parallelism), so `nn.scan(...,
+metadata_params={nn.PARTITION_NAME: None})` stacks them with a replicated layer axis and `nn.get_partition_spec`
+gives their shardings. Shape letters: see relaymoe_jax.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.block import BlockConfig, moe_block, param_shapes
+
+AUX_NAME = "moe_aux"  # the `sow`n name, in the "intermediates" collection
+
+
+class MoE(nn.Module):
+  """The MoE block as a Linen layer: `y, aux = MoE(...)(x)`, y with x's shape, aux an `rm.MoEAux`.
+
+  Also `sow`s aux as "intermediates"/AUX_NAME (apply with `mutable=["intermediates"]` to collect it from every
+  layer). Fields are `BlockConfig`'s (sizes, mesh, dispatcher and its options, axis names, compute dtype), plus
+  `param_dtype` and `init_scale` (weights ~ normal · init_scale / sqrt(fan-in)).
+  """
+
+  num_experts: int
+  top_k: int
+  d_ff: int
+  shared_d_ff: int | None = None
+  shared_gate: bool = True
+  norm_topk_prob: bool = True
+  mesh: Any = None
+  dispatcher: Any = "ring_expert"
+  dispatcher_options: Any = None
+  expert_axis: str = EXPERT
+  token_axes: tuple[str, ...] | None = None
+  tensor_axis: str | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  init_scale: float = 1.0
+
+  def block_config(self):
+    return BlockConfig(num_experts=self.num_experts, top_k=self.top_k, d_ff=self.d_ff,
+                       shared_d_ff=self.shared_d_ff, shared_gate=self.shared_gate,
+                       norm_topk_prob=self.norm_topk_prob, mesh=self.mesh, dispatcher=self.dispatcher,
+                       dispatcher_options=self.dispatcher_options, expert_axis=self.expert_axis,
+                       token_axes=self.token_axes, tensor_axis=self.tensor_axis, dtype=self.dtype)
+
+  @nn.compact
+  def __call__(self, x):
+    config = self.block_config()
+    params = {}
+    for name, (shape, spec, fan_in) in param_shapes(config, x.shape[-1]).items():
+      init = _placed(nn.initializers.normal(self.init_scale / fan_in ** 0.5), self.mesh, spec)
+      params[name] = self.param(name, nn.with_partitioning(init, spec), shape, self.param_dtype)
+    y, aux = moe_block(config, jax.tree.map(jnp.asarray, params), x)
+    self.sow("intermediates", AUX_NAME, aux)
+    return y, aux
+
+
+def _placed(init, mesh, spec):
+  """init, its value resharded to spec on an Explicit mesh: Linen's unboxing constrains a parameter to its spec,
+  which on Explicit axes is an assertion that it already has it."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return init
+  sharding = NamedSharding(mesh, P(*spec)) if isinstance(mesh, jax.sharding.Mesh) else P(*spec)
+  return lambda key, shape, dtype: jax.sharding.reshard(init(key, shape, dtype), sharding)

@@ -1,0 +1,36 @@
+"""`MoE` for Flax NNX: router + experts (+ optional shared expert) through `moe_ffn`, x [..., D] in and out.
+
+No communication of its own (`moe_ffn`'s). Each `nnx.Param` carries its sharding as metadata (experts over the
+expert axis, F over the tensor axis under expert tensor parallelism), so layers stacked by `nnx.vmap(...,
+transform_metadata={nnx.PARTITION_NAME: None})` and run by `nnx.scan` keep a replicated layer axis, and
+`nnx.get_partition_spec` gives their shardings. Shape letters: see relaymoe_jax.
+"""
+
+from flax import nnx
+import jax.numpy as jnp
+
+from relaymoe_jax.block import BlockConfig, moe_block, param_shapes
+
+
+class MoE(nnx.Module):
+  """The MoE block as an NNX layer: `y, aux = MoE(d_model, ..., rngs=rngs)(x)`, y with x's shape, aux an
+  `rm.MoEAux`.
+
+  Args:
+    d_model: D.
+    rngs: `nnx.Rngs` for the parameters.
+    param_dtype: of the parameters; init_scale: weights ~ normal · init_scale / sqrt(fan-in).
+    **block: `BlockConfig`'s fields: num_experts, top_k, d_ff, shared_d_ff, shared_gate, norm_topk_prob, mesh,
+      dispatcher, dispatcher_options, expert_axis, token_axes, tensor_axis, dtype.
+  """
+
+  def __init__(self, d_model, *, rngs, param_dtype=jnp.float32, init_scale=1.0, **block):
+    self.config = BlockConfig(**block)
+    self.names = tuple(param_shapes(self.config, d_model))
+    for name, (shape, spec, fan_in) in param_shapes(self.config, d_model).items():
+      init = nnx.initializers.normal(init_scale / fan_in ** 0.5)
+      on_mesh = {} if self.config.mesh is None else dict(mesh=self.config.mesh)  # None: the context's
+      setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=spec, **on_mesh))
+
+  def __call__(self, x):
+    return moe_block(self.config, {name: getattr(self, name)[...] for name in self.names}, x)

@@ -1,0 +1,132 @@
+"""The Flax layers `rm.linen.MoE` and `rm.nnx.MoE` against the dense float32 oracle (values and gradients w.r.t. x,
+the router and every expert weight), [B, S, D] in and out, with a shared expert, under scan and remat, on
+Explicit and Auto meshes with renamed axes."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import relaymoe_jax as rm
+import relaymoe_jax.testing as rmt
+from conftest import mesh_of
+
+F32_RTOL = 1e-5
+SIZES = dict(num_experts=8, top_k=2, d_ff=12)
+ROWS, EXPERTS = "rows", "experts"  # renamed mesh axes
+
+
+def _x(shape=(4, 6, 8), seed=0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def _mesh(explicit):
+  return mesh_of((2, 4), (ROWS, EXPERTS), explicit=explicit)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_linen_layer_matches_oracle_with_shared_expert(explicit):
+  mesh = _mesh(explicit)
+  layer = rm.linen.MoE(**SIZES, shared_d_ff=6, mesh=mesh, expert_axis=EXPERTS, dispatcher="ring_expert")
+  x = _x((3, 5, 8))  # 15 tokens: not a multiple of the 8 token shards, padded inside
+  with jax.set_mesh(mesh):  # a jit whose outputs are on an Explicit mesh needs it (JAX's rule)
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+  assert nn.get_partition_spec(variables)["params"]["w_gate_EDF"] == jax.sharding.PartitionSpec(EXPERTS, None, None)
+  errors = rmt.assert_layer_matches_dense_oracle(layer, x, variables=variables, rtol=F32_RTOL)
+  assert set(errors["params"]) == {"router_DE", "w_gate_EDF", "w_up_EDF", "w_down_EFD", "shared_gate_DF",
+                                   "shared_up_DF", "shared_down_FD", "shared_gate_D1"}
+  (y, aux), state = jax.jit(functools.partial(layer.apply, mutable=["intermediates"]))(variables, x)
+  assert y.shape == x.shape and isinstance(aux, rm.MoEAux)
+  assert state["intermediates"][rm.linen.AUX_NAME][0].router.expert_counts_E.sum() == 15 * 2
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_nnx_layer_matches_oracle(explicit):
+  mesh = _mesh(explicit)
+  layer = rm.nnx.MoE(8, **SIZES, mesh=mesh, expert_axis=EXPERTS, dispatcher="ring_token", rngs=nnx.Rngs(0))
+  assert tuple(layer.w_down_EFD.out_sharding) == (EXPERTS, None, None)
+  assert layer.w_down_EFD[...].sharding.spec == jax.sharding.PartitionSpec(EXPERTS, None, None)
+  rmt.assert_layer_matches_dense_oracle(layer, _x(), rtol=F32_RTOL)
+
+
+def test_linen_layers_under_scan_and_remat_match_the_oracle():
+  """Two stacked layers, one `nn.scan` over a remat'd layer, parameters with a replicated layer axis."""
+  mesh = _mesh(False)
+
+  class Stack(nn.Module):
+    dispatcher: str = "ring_expert"
+
+    @nn.compact
+    def __call__(self, x):
+      def body(block, x):
+        y, aux = block(x)
+        return x + y, aux.router.load_balancing_loss
+      scan = nn.scan(nn.remat(body), variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                     metadata_params={nn.PARTITION_NAME: None})
+      x, lb = scan(rm.linen.MoE(**SIZES, mesh=mesh, expert_axis=EXPERTS, dispatcher=self.dispatcher), x)
+      return x, lb
+
+  x = _x()
+  variables = Stack().init(jax.random.key(1), x)
+  assert nn.get_partition_spec(variables)["params"]["MoE_0"]["w_up_EDF"] == jax.sharding.PartitionSpec(
+      None, EXPERTS, None, None)
+
+  def grads(dispatcher):
+    loss = lambda v, x: jnp.sum(jnp.sin(Stack(dispatcher).apply(v, x)[0]))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(variables, x)
+
+  rmt.assert_trees_close(grads("ring_expert"), grads("dense"), F32_RTOL)
+
+
+def test_nnx_layers_under_scan_and_remat_match_the_oracle():
+  mesh = _mesh(True)
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+  def stack(rngs):
+    return rm.nnx.MoE(8, **SIZES, mesh=mesh, expert_axis=EXPERTS, rngs=rngs)
+
+  layers = stack(nnx.Rngs(2))
+  assert tuple(layers.w_gate_EDF.out_sharding) == (None, EXPERTS, None, None)
+
+  def forward(layers, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    @nnx.remat
+    def body(x, layer):
+      y, aux = layer(x)
+      return x + y, aux.router.z_loss
+    x, z = body(x, layers)
+    return jnp.sum(jnp.sin(x)) + jnp.sum(z)
+
+  def grads(dispatcher):
+    graphdef, params = nnx.split(layers)
+    config = dataclasses.replace(layers.config, dispatcher=dispatcher)
+
+    def loss(params, x):
+      model = nnx.merge(graphdef, params)
+      model.config = config
+      return forward(model, x)
+    with jax.set_mesh(mesh):
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, _x())
+
+  rmt.assert_trees_close(grads("ring_expert"), grads("dense"), F32_RTOL)
+
+
+def test_bfloat16_compute_matches_the_float32_oracle():
+  layer = rm.nnx.MoE(8, **SIZES, shared_d_ff=6, dtype=jnp.bfloat16, mesh=_mesh(False), expert_axis=EXPERTS,
+                     dispatcher="auto", rngs=nnx.Rngs(4))
+  rmt.assert_layer_matches_dense_oracle(layer, _x(), rtol=3e-2)
+
+
+def test_dispatcher_options_reach_the_block_and_drops_reach_aux():
+  """`dispatcher_options` go to the dispatcher: a capacity factor of 0.5 drops pairs, and aux counts them."""
+  layer = rm.linen.MoE(**SIZES, mesh=_mesh(False), expert_axis=EXPERTS, dispatcher="all_to_all",
+                       dispatcher_options=dict(capacity_factor=0.5))
+  x = _x((8, 8, 8))
+  y, aux = jax.jit(layer.apply)(jax.jit(layer.init)(jax.random.key(3), x), x)
+  assert y.shape == x.shape and int(aux.dropped_pairs) > 0
