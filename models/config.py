@@ -153,7 +153,10 @@ def parse_assignment(assignment):
   if "=" not in assignment:
     raise ValueError(f"override {assignment!r} is not of the form key=value")
   key, raw = assignment.split("=", 1)
-  return key, yaml.safe_load(raw)
+  try:
+    return key, yaml.safe_load(raw)
+  except yaml.YAMLError as err:
+    raise ValueError(f"override {assignment!r}: the value is not YAML ({_yaml_problem(err)})") from None
 
 
 def read_yaml(path_or_name, subdir):
@@ -164,4 +167,18 @@ def read_yaml(path_or_name, subdir):
   if not path.exists():
     known = sorted(p.stem for p in (CONFIG_DIR / subdir).glob("*.yaml"))
     raise ValueError(f"no config {str(path_or_name)!r}; known {subdir} configs: {known}")
-  return yaml.safe_load(path.read_text()) or {}
+  if not path.is_file():
+    raise ValueError(f"config {str(path)!r} is not a file")
+  try:
+    return yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as err:
+    raise ValueError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+  except UnicodeDecodeError:
+    raise ValueError(f"{path} is not a text file (not UTF-8)") from None
+
+
+def _yaml_problem(err):
+  """'mapping values are not allowed here (line 3, column 8)': PyYAML's message in one line."""
+  mark = getattr(err, "problem_mark", None)
+  where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+  return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{where}"

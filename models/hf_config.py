@@ -29,7 +29,12 @@ def config_from_hf(hf_dir, **overrides) -> Qwen3MoEConfig:
       an activation other than SiLU, Qwen3 attention biases, which include o_proj's), or a bad override.
   """
   path = pathlib.Path(hf_dir) / "config.json"
-  hf = json.loads(path.read_text())
+  try:
+    hf = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise ValueError(f"{path} is not valid JSON ({err})") from None
+  if not isinstance(hf, dict):
+    raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")

@@ -54,6 +54,7 @@ def test_a_stack_of_layers_runs_each_layer():
     moe_layer.stack_depth("tiny*0")
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_variants_compile_together_and_measure_in_turn():
   jobs = [("tiny", "ring_expert", 64), ("tiny", "a2a_cf1", 64), ("tiny", "no_such_variant", 64)]
   rows = list(moe_layer.run_isolated(jobs, iters=1, parallel=2))

@@ -104,6 +104,7 @@ def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
     assert exit_info.value.code == 2 and stderr.startswith(message) and stderr.count("\n") == 1, stderr
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_fine_tuning_a_transformers_checkpoint_lowers_its_loss(tmp_path):
   """A few steps from the Qwen3-MoE checkpoint that transformers wrote (a dense layer among MoE ones), bf16 compute,
   on one batch of tokens seen again every step: its loss falls from where the imported weights start."""

@@ -139,6 +139,7 @@ def test_without_a_tokenizer_text_is_still_bytes(tmp_path):
       list("héllo".encode("utf-8"))
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_a_short_run_trains_on_tokenised_text(tmp_path, tokenizer):
   requires_devices(8)
   corpus = tmp_path / "corpus.jsonl"

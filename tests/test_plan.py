@@ -17,6 +17,7 @@ from train import cli, loop, plan as planning
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
+from train.metrics import size
 
 OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",
              "compilation_cache_dir=''"]
@@ -163,8 +164,8 @@ def test_the_uniform_policies_compile_at_once_where_the_host_has_cores(uniform, 
 def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
   config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(uniform["layer"] * 0.9),
                                out_dir=str(tmp_path))
-  with pytest.raises(StepDoesNotFit, match="runtime.remat=auto: even layer in every layer needs .* GiB per device, over "
-                                           "the budget of .* GiB. `relaymoe-plan"):
+  with pytest.raises(StepDoesNotFit, match="runtime.remat=auto: even layer in every layer needs .* .iB per device, "
+                                           "over the budget of .* .iB. `relaymoe-plan"):
     loop.run(config)
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
   assert not (tmp_path / "metrics.jsonl").exists()
@@ -178,9 +179,9 @@ def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion
                                                                                   suggestion):
   limit = between(uniform, fraction)  # the step as configured (remat none) needs uniform["none"]
   config = dataclasses.replace(BASE, device_memory_gib=limit / GIB, out_dir=str(tmp_path))
-  needs = f"{uniform['none'] / GIB:.2f} GiB"
+  needs = size(uniform["none"])
   with pytest.raises(StepDoesNotFit, match=f"the train step needs {needs} per device .* and the device allows "
-                                           f".* GiB: batch_size=8 seq_len=128 remat=none does not fit. {suggestion}"):
+                                           f".* .iB: batch_size=8 seq_len=128 remat=none does not fit. {suggestion}"):
     loop.run(config)
   assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "run_config.json").exists()
 
@@ -209,6 +210,7 @@ def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(u
   assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_path, monkeypatch, capsys):
   """A run whose MoE chunks dominate (top-8 of 8 experts, 512 positions: a hop's share is 1024 rows): the frugal
   plan does not fit, the same plan with chunks capped (at 128 rows here) does, and `remat: auto` trains with it."""

@@ -30,6 +30,8 @@ from train.loop import run
 from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
 from train import checkpoints as train_checkpoints
+from train import compile as train_compile
+from train import metrics as train_metrics
 from train import loop as train_loop
 from train.cli import _parse, _start
 from train.step import TrainState, make_optimizer, make_train_step
@@ -150,6 +152,7 @@ def test_resume_continues_exactly(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
   """Another layout is an error from the newest checkpoint's metadata, never a fall back to an older one."""
   unstacked = dataclasses.replace(F32, scan_layers=False)
@@ -248,6 +251,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_two_processes_on_cpu_match_one(tmp_path):
   """Two local processes with 4 emulated devices each (gloo collectives) train exactly like one process with 8."""
   port = _free_port()
@@ -268,6 +272,7 @@ def test_two_processes_on_cpu_match_one(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_cli_keeps_the_compiled_step_in_its_compilation_cache(tmp_path):
   cache = tmp_path / "xla-cache"
   cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--steps", "1", "batch_size=8", "seq_len=16",
@@ -368,3 +373,8 @@ def test_the_trainer_gives_jax_95_percent_of_each_gpu_unless_told_otherwise(monk
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
   _start(_parse(["--config", "cpu"]), [])
   assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+
+
+def test_sizes_in_messages_read_in_mib_below_a_gib():
+  sizes = (train_metrics.size(3 * 2**29), train_metrics.size(5 * 2**20), train_metrics.size(3072))
+  assert sizes == ("1.50 GiB", "5.0 MiB", "3.0 KiB")

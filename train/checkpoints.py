@@ -1,12 +1,24 @@
-"""Training checkpoints: orbax saves of {state, meta}, and restores that skip what does not read and name what does
-not fit."""
+"""Training checkpoints: orbax saves of {state, meta} (logged with their size and time; a full disk named in one
+line), and restores that skip what does not read (truncated, corrupted: checked against checksums taken at save)
+and name what does not fit."""
 
+import contextlib
+import errno
+import logging
 import pathlib
+import shutil
 import sys
+import time
+import traceback
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from train.metrics import log_on_process_0, size
+from train.rundir import checkpoint_steps
 
 
 class Checkpoints:
@@ -19,6 +31,13 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers=dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True))
+    self.pending = None  # (step, bytes, start time) of the save in flight
+    self.last_saved = None
+    self.failed = False
+    _quiet_closed_event_loops()
+    self.log_filter = _DiskFullLogFilter(self)
+    for logger in LOGGERS:
+      logging.getLogger(logger).addFilter(self.log_filter)
 
   def __enter__(self):
     return self
@@ -27,8 +46,33 @@ class Checkpoints:
     self.close()
 
   def save(self, step, state, meta):
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)))
+    """Starts an async save of `state` (after the previous save has finished), `meta` with the state's checksums.
+
+    Raises CheckpointSaveFailed, naming the directory, the bytes needed and the last good checkpoint, when the disk
+    is full (here or when the save finishes: `poll`, `close`)."""
+    self.finish()
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    meta = dict(meta, checksums=checksums(state))
+    log_on_process_0(f"saving checkpoint step {step} ({size(nbytes)}) to {self.directory}")
+    self.pending = (step, nbytes, time.perf_counter())
+    with _reporting_disk_full(self):
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)))
+
+  def poll(self):
+    """Says so when the save in flight has finished (called at each step; never waits)."""
+    if self.pending and not self.manager.is_saving_in_progress():
+      self.finish()
+
+  def finish(self):
+    """Waits for the save in flight, then logs its end with its size and time."""
+    if not self.pending:
+      return
+    with _reporting_disk_full(self):
+      self.manager.wait_until_finished()
+    step, nbytes, start = self.pending
+    self.pending, self.last_saved = None, step
+    log_on_process_0(f"saved checkpoint step {step} ({size(nbytes)}) in {time.perf_counter() - start:.1f} s")
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -49,7 +93,6 @@ class Checkpoints:
         raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; there are {sorted(steps)}")
       steps = [step]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
-    _quiet_closed_event_loops()
     unreadable = []
     for step in steps:
       try:
@@ -59,14 +102,16 @@ class Checkpoints:
         continue
       self._set_aside(unreadable, step)
       return restored
-    raise CheckpointUnreadable(f"--resume: no checkpoint in {self.directory} restores: " + "; ".join(
+    raise CheckpointUnreadable(f"no checkpoint in {self.directory} restores: " + "; ".join(
         f"step {step}: {err}" for step, err in unreadable))
 
   def _restore_step(self, step, abstract):
     try:
       stored = self.manager.item_metadata(step)["state"]
-    except (ValueError, KeyError, OSError) as err:
-      raise CheckpointUnreadable(f"its metadata does not read ({_first_line(err)})") from err
+    except Exception as err:
+      if not read_failure(err):
+        raise
+      raise CheckpointUnreadable(f"its metadata does not read ({first_line(err)})") from err
     if stored is None:
       raise CheckpointUnreadable("it has no training state")
     names = _names_in(stored, abstract)
@@ -79,8 +124,16 @@ class Checkpoints:
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted),
                                                                     meta=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, OSError) as err:  # the layout matched: its files are what is wrong
-      raise CheckpointUnreadable(f"it does not read ({_first_line(err)})") from err
+    except Exception as err:  # the layout matched: its files are what is wrong, if orbax failed reading them
+      if not read_failure(err):
+        raise
+      raise CheckpointUnreadable(f"its arrays do not read ({first_line(err)})") from err
+    # A flipped bit in zstd-compressed data can decode to other numbers without an error.
+    saved = (restored.meta or {}).get("checksums")
+    if saved is not None:
+      differ = sorted(k for k, v in checksums(restored.state).items() if saved.get(k) != v)
+      if differ:
+        raise CheckpointUnreadable(f"{len(differ)} arrays do not match their checksums (first: {differ[0]})")
     return restored.state if not names else _renamed(restored.state, names), restored.meta
 
   def _set_aside(self, unreadable, good_step):
@@ -95,8 +148,8 @@ class Checkpoints:
         while target.exists():
           target = target.with_name(target.name + "+")
         (self.directory / str(step)).rename(target)
-        print(f"--resume: skipped checkpoint step {step}: {err}; moved it to {target} (kept) and resuming from "
-              f"step {good_step}", file=sys.stderr, flush=True)
+        print(f"skipped checkpoint step {step} in {self.directory}: {err}; moved it to {target} (kept); using step "
+              f"{good_step}", file=sys.stderr, flush=True)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("relaymoe: unreadable checkpoints set aside")
     self.manager.reload()
@@ -104,9 +157,24 @@ class Checkpoints:
   def close(self):
     if self.manager is None:
       return
-    manager, self.manager = self.manager, None
-    manager.wait_until_finished()
-    manager.close()
+    try:
+      if not self.failed:
+        self.finish()
+    finally:
+      manager, self.manager = self.manager, None
+      try:
+        manager.close()
+      except Exception:
+        if not self.failed:  # a failed save was reported once already; orbax raises it again here
+          raise
+      finally:
+        if not self.failed:  # after a failure orbax's threads go on failing until the process exits
+          for logger in LOGGERS:
+            logging.getLogger(logger).removeFilter(self.log_filter)
+
+
+class CheckpointSaveFailed(OSError):
+  """A checkpoint could not be saved: the disk is full."""
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -138,7 +206,101 @@ def _renamed(tree, names):
   return tree
 
 
-def _first_line(err):
+@jax.jit
+def _bits_sum(x):
+  """The wrapping uint32 sum of an array's elements' bits (a flipped bit always changes it)."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  return jnp.sum(jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+def _checksums(state):
+  """Per array, `_bits_sum`, each where the array lives (a state may hold arrays on different devices)."""
+  return jax.tree.map(_bits_sum, state)
+
+
+def checksums(state):
+  """{array name (as `_leaf_shapes` names it): checksum} of a state's arrays, the same on every process."""
+  sums = _checksums(state)
+  return {name: int(np.asarray(sums_leaf.addressable_data(0))) for name, sums_leaf in zip(
+      _leaf_shapes(state), jax.tree.leaves(sums))}
+
+
+@contextlib.contextmanager
+def _reporting_disk_full(checkpoints):
+  """A full disk in what runs inside becomes one CheckpointSaveFailed naming the bytes and the last good
+  checkpoint; other errors pass unchanged."""
+  try:
+    yield
+  except Exception as err:
+    if not any(_disk_full(e) for e in _chain(err)):
+      raise
+    checkpoints.failed = True
+    step, nbytes, _ = checkpoints.pending
+    directory = checkpoints.directory
+    good = [s for s in checkpoint_steps(directory) if s < step]
+    raise CheckpointSaveFailed(
+        f"no space left on the device of {directory} to save checkpoint step {step}: it needs up to "
+        f"{size(nbytes)} ({nbytes} bytes) and {shutil.disk_usage(directory).free} bytes are free; " + (
+            f"the last good checkpoint is step {good[-1]} in {directory}" if good else
+            "there is no good checkpoint yet")) from err
+
+
+def _disk_full(err):
+  """An OSError of a full disk or quota, or tensorstore's ValueError that wraps one."""
+  if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    return True
+  return isinstance(err, ValueError) and any(text in str(err) for text in DISK_FULL_TEXTS)
+
+
+# How orbax begins the bare Exception it raises for an array that does not read.
+ORBAX_READ_FAILED = "Encountered error while reading array index"
+# How tensorstore words a full disk inside its errors (the OS's message and its errno 28).
+DISK_FULL_TEXTS = ("No space left on device", "os_error_code='28'", "Disk quota exceeded")
+
+
+# Where orbax's threads, and asyncio for their abandoned futures, log their failures.
+LOGGERS = ("absl", "asyncio")
+
+
+class _DiskFullLogFilter(logging.Filter):
+  """Drops the logged tracebacks of a full disk (each of orbax's threads logs one, hundreds of lines), and once a
+  save failed (`CheckpointSaveFailed` says it in one line) the errors of orbax's threads that go on until exit."""
+
+  def __init__(self, checkpoints):
+    super().__init__()
+    self.checkpoints = checkpoints
+
+  def filter(self, record):
+    if self.checkpoints.failed:
+      return False
+    return not any(text in record.getMessage() or text in str(record.exc_info and record.exc_info[1])
+                   for text in DISK_FULL_TEXTS)
+
+
+def read_failure(err):
+  """Whether orbax failed reading a checkpoint's files (tensorstore's ValueError, an OSError, a missing key), which
+  it may wrap in a bare Exception, rather than a bug of the caller's."""
+  if isinstance(err, (ValueError, KeyError, OSError)):
+    return True
+  frames = traceback.extract_tb(err.__traceback__)
+  from_orbax = bool(frames) and "orbax" in pathlib.Path(frames[-1].filename).parts
+  return type(err) is Exception and from_orbax and any(
+      isinstance(e, (ValueError, KeyError, OSError)) for e in _chain(err))
+
+
+def _chain(err):
+  seen = []
+  while err is not None and err not in seen:
+    seen.append(err)
+    err = err.__cause__ or err.__context__
+  return seen
+
+
+def first_line(err):
+  """The first line of the innermost error under `err` (orbax wraps tensorstore's, which says what is wrong)."""
+  err = _chain(err)[-1]
   return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
@@ -161,15 +323,18 @@ def _layout_difference(stored, wanted):
 
 
 def _quiet_closed_event_loops():
-  """When one read of a checkpoint fails, orbax closes its event loop with reads still in flight, and each of
-  tensorstore's late callbacks prints an 'Event loop is closed' traceback (hundreds, burying the real error):
-  drop those, and only those, from then on."""
+  """When one read or write of a checkpoint fails, orbax closes its event loop with others still in flight, and
+  each of tensorstore's late callbacks prints an 'Event loop is closed' traceback, and each abandoned read its
+  failure again (hundreds, burying the real error): drop those, and only those, from then on."""
   previous = sys.unraisablehook
   if getattr(previous, "relaymoe_quiet", False):
     return
 
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+  def hook(unraisable, read_failed=ORBAX_READ_FAILED):  # bound now: at exit the module's globals may be gone
+    err = unraisable.exc_value
+    if not (isinstance(err, RuntimeError) and "Event loop is closed" in str(err)
+            or type(err) is Exception and str(err).startswith(read_failed)
+            or isinstance(err, ImportError) and "Python is likely shutting down" in str(err)):
       previous(unraisable)
 
   hook.relaymoe_quiet = True

@@ -17,7 +17,7 @@ from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
 from models.sharding import TOKEN_AXES
 from train.config import RunConfig
 from train.mesh import run_mesh
-from train.metrics import log_on_process_0
+from train.metrics import log_on_process_0, size
 from train.sources import model_config_for
 from train.step import TrainState, make_optimizer, make_train_step
 
@@ -103,10 +103,6 @@ def device_limit_bytes(run_config: RunConfig):
   return min(limits) if all(limits) else None
 
 
-def gib(n):
-  return f"{n / 2**30:.2f} GiB"
-
-
 def check_fits(run_config: RunConfig, step: CompiledStep, suggest=None):
   """Raises StepDoesNotFit, with the numbers (and `suggest(run_config)`: what would fit), when the compiled step's
   bytes exceed the device's limit (`device_memory_gib`, else the allocator's; no limit known: no check)."""
@@ -114,15 +110,15 @@ def check_fits(run_config: RunConfig, step: CompiledStep, suggest=None):
   plan = memory_plan(run_config, step)
   if limit is not None and plan["total_bytes"] > GROWING_ALLOCATOR_SAFE * limit and allocator_grows_on_demand():
     log_on_process_0(
-        f"warning: the train step needs {gib(plan['total_bytes'])} of the {gib(limit)} allowed per device, and "
+        f"warning: the train step needs {size(plan['total_bytes'])} of the {size(limit)} allowed per device, and "
         "with XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows region by region: the step's temporaries "
-        f"({gib(plan['temp_bytes'])}, one block) may find no contiguous range and fail to allocate. Unset it to "
+        f"({size(plan['temp_bytes'])}, one block) may find no contiguous range and fail to allocate. Unset it to "
         "take the memory up front (docs/memory.md).")
   if limit is None or plan["total_bytes"] <= limit:
     return plan
   raise StepDoesNotFit(
-      f"the train step needs {gib(plan['total_bytes'])} per device (training state {gib(plan['state_bytes'])}, "
-      f"temporaries {gib(plan['temp_bytes'])}) and the device allows {gib(limit)}: batch_size="
+      f"the train step needs {size(plan['total_bytes'])} per device (training state {size(plan['state_bytes'])}, "
+      f"temporaries {size(plan['temp_bytes'])}) and the device allows {size(limit)}: batch_size="
       f"{run_config.batch_size} seq_len={run_config.seq_len} remat={_remat_name(step.runtime.remat)} "
       f"does not fit." + (f" {suggest(run_config)}" if suggest else ""))
 

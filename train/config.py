@@ -59,6 +59,16 @@ class OptimConfig:
   eps: float = 1e-8
   grad_clip: float = 1.0
 
+  def __post_init__(self):
+    checks = dict(learning_rate=(self.learning_rate >= 0, "≥ 0"), warmup_steps=(self.warmup_steps >= 0, "≥ 0"),
+                  min_lr_ratio=(0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                  weight_decay=(self.weight_decay >= 0, "≥ 0"), b1=(0 <= self.b1 < 1, "in [0, 1)"),
+                  b2=(0 <= self.b2 < 1, "in [0, 1)"), eps=(self.eps >= 0, "≥ 0"),
+                  grad_clip=(self.grad_clip > 0, "> 0"))
+    for name, (ok, wanted) in checks.items():
+      if not ok:  # NaN fails every comparison
+        raise ValueError(f"optim.{name}={getattr(self, name)} must be {wanted}")
+
 
 INIT_SOURCES = ("hf:", "orbax:")
 

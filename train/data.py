@@ -5,6 +5,7 @@ files (uint16/uint32, the common format), and UTF-8 text, read as bytes or token
 cached .bin (`train.text`).
 """
 
+import codecs
 import math
 import pathlib
 
@@ -45,10 +46,13 @@ class TokenWindows:
 
   entropy_floor = None
 
-  def __init__(self, tokens, vocab_size):
+  def __init__(self, tokens, vocab_size, seq_len=None, where="the data"):
+    """`seq_len` given: a source too short for one window is refused now, not at the first step."""
     self.tokens = tokens
     if tokens.size and int(tokens.max()) >= vocab_size:
       raise ValueError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
+    if seq_len is not None and (tokens.size - 1) // seq_len < 1:
+      raise ValueError(f"{where} holds {tokens.size} tokens, too few for one window of seq_len+1={seq_len + 1}")
 
   def batch(self, step, batch_size, seq_len):
     windows = (self.tokens.size - 1) // seq_len
@@ -58,23 +62,55 @@ class TokenWindows:
     return np.stack([self.tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
-def make_source(data_config, vocab_size):
+def make_source(data_config, vocab_size, seq_len=None):
+  """The run's batches; with `seq_len`, data too short for one sequence is refused here, before any compile."""
   kind = data_config.kind
   if kind == "synthetic":
     return SyntheticLanguage(vocab_size, data_config.branching, data_config.seed)
   path = pathlib.Path(data_config.path)
+  where = f"data.path {str(path)!r}"
   if not path.exists():
-    raise ValueError(f"data.path {str(path)!r} does not exist")
+    raise ValueError(f"{where} does not exist")
+  if not path.is_file():
+    raise ValueError(f"{where} is {'a directory' if path.is_dir() else 'not a regular file'}; give a file")
   if kind == "tokens":
-    return TokenWindows(np.memmap(path, dtype=data_config.token_dtype, mode="r"), vocab_size)
+    return TokenWindows(_token_file(path, data_config.token_dtype, where), vocab_size, seq_len, where)
   if data_config.tokenizer:
-    return _tokenized_text(data_config, vocab_size)
+    return _tokenized_text(data_config, vocab_size, seq_len)
   if vocab_size < 256:
     raise ValueError(f"text data is byte-level and needs vocab_size ≥ 256; the model has {vocab_size}")
-  return TokenWindows(np.frombuffer(path.read_bytes(), dtype=np.uint8), vocab_size)
+  data = path.read_bytes()
+  _check_utf8(data, where)
+  return TokenWindows(np.frombuffer(data, dtype=np.uint8), vocab_size, seq_len, where)
 
 
-def _tokenized_text(data_config, vocab_size):
+def _token_file(path, dtype, where):
+  size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+  if size == 0:
+    raise ValueError(f"{where} is empty")
+  if size % itemsize:
+    raise ValueError(f"{where} holds {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each): "
+                     "is data.token_dtype right?")
+  return np.memmap(path, dtype=dtype, mode="r")
+
+
+UTF8_CHUNK = 1 << 24  # bytes decoded at a time when checking a text file
+
+
+def _check_utf8(data, where):
+  """data.kind=text without a tokenizer trains on the bytes of UTF-8 text: a binary file is refused, naming the
+  first byte that is not UTF-8."""
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  view = memoryview(data)
+  for start in range(0, len(data) or 1, UTF8_CHUNK):
+    try:
+      decoder.decode(view[start:start + UTF8_CHUNK], final=start + UTF8_CHUNK >= len(data))
+    except UnicodeDecodeError as err:
+      raise ValueError(f"{where} is not UTF-8 text (near byte {start + err.start}); data.kind=text reads text, "
+                       "data.kind=tokens token ids") from None
+
+
+def _tokenized_text(data_config, vocab_size, seq_len):
   """Windows over the text's cached tokens: process 0 tokenises (when the cache is missing), the others wait for it."""
   text = TokenizedText(data_config)
   if jax.process_index() == 0:
@@ -85,7 +121,9 @@ def _tokenized_text(data_config, vocab_size):
       raise ValueError(f"process {jax.process_index()} does not see the tokenised cache {text.cache} that process 0 "
                        "wrote: put data.cache_dir on a filesystem all processes share")
   try:
-    return TokenWindows(text.tokens(), vocab_size)
+    return TokenWindows(text.tokens(), vocab_size, seq_len, f"the tokenised data.path {data_config.path!r}")
   except ValueError as err:
+    if "out of range" not in str(err):
+      raise
     raise ValueError(f"{err} (the tokenizer {data_config.tokenizer} has {text.vocab_size} ids: set "
                      f"model.vocab_size ≥ {text.vocab_size})") from None

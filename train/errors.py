@@ -5,8 +5,9 @@ import pathlib
 import sys
 import traceback
 
-from train.checkpoints import CheckpointUnreadable
+from train.checkpoints import CheckpointSaveFailed, CheckpointUnreadable
 from train.compile import StepDoesNotFit
+from train.metrics import LogWriteFailed
 from train.preempt import Stopped
 from train.rundir import RunDirectoryError
 
@@ -30,7 +31,7 @@ def exit_status(err):
   """The exit status of an error the user can act on from its message alone; None for a bug (a traceback)."""
   if isinstance(err, Stopped):
     return err.exit_status
-  if isinstance(err, FloatingPointError):
+  if isinstance(err, (FloatingPointError, CheckpointSaveFailed, LogWriteFailed)):  # failed while training
     return 1
   if isinstance(err, (RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
     return 2

@@ -19,17 +19,18 @@ from train.compile import check_fits, compile_step
 from train.config import RunConfig
 from train.data import make_source
 from train.mesh import global_batch, on_mesh, token_shards
-from train.metrics import MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops
+from train.metrics import LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops
 from train.plan import resolve_remat, suggest
-from train.preempt import StopRequest, Stopped
+from train.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.rundir import RunDirectory
 from train.sources import initial_params, model_config_for
 from train.step import TrainState, make_optimizer, model_flops_per_token
 
 
 def dispatch_plan(model_config, run_config, mesh):
-  """Both ring modes' per-hop bytes for this run's MoE layers, and which one `auto` runs (logged at start)."""
-  if not any(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers)):
+  """Both ring modes' per-hop bytes for this run's MoE layers, and which one `auto` runs (logged at start); None
+  without MoE layers or for a ring of one, where nothing moves."""
+  if mesh.shape[EXPERT] == 1 or not any(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers)):
     return None
   return rm.plan_dispatch(
       tokens_per_device=run_config.batch_size * run_config.seq_len // token_shards(mesh),
@@ -44,18 +45,28 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False):
 
   Holds the run directory for the run (`RunDirectory`: one run at a time; a fresh run refuses an earlier run's
   outputs unless `overwrite`). Raises FloatingPointError on a non-finite loss, keeping the last good checkpoint,
-  and `Stopped` after saving a checkpoint on SIGTERM or SIGINT.
+  `Stopped` after saving a checkpoint on SIGTERM or SIGINT, LogWriteFailed (after saving a checkpoint) when
+  metrics.jsonl does not write, and CheckpointSaveFailed when the disk is full. A signal that arrives while the
+  last step's checkpoint is saved lets the save finish: the run is complete.
   """
   out = pathlib.Path(run_config.out_dir)
-  with (RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop,
-        Checkpoints(out / "checkpoints", run_config.keep_checkpoints) as checkpoints):
-    return _train(run_config, resume, checkpoints, stop)
+  with RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop:
+    with Checkpoints(out / "checkpoints", run_config.keep_checkpoints) as checkpoints:
+      history = _train(run_config, resume, checkpoints, stop)
+      stop.note = "letting the last checkpoint's save finish (the run is complete)"
+    if stop.signum:
+      saved = checkpoints.last_saved
+      log_on_process_0(f"got {NAMES[stop.signum]} after the last step: the run is complete" + (
+          f", its last checkpoint (step {saved}) saved" if saved is not None else ""))
+  return history
 
 
 def _train(run_config, resume, checkpoints, stop):
-  run_config, remat_plan, step = resolve_remat(run_config)
+  if resume and checkpoints.latest_step() is None:  # before anything compiles
+    raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints.directory}")
   model_config = model_config_for(run_config)
-  source = make_source(run_config.data, model_config.vocab_size)
+  source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
+  run_config, remat_plan, step = resolve_remat(run_config)
   if step is None:  # remat=auto compiled the chosen plan already
     log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
                      "devices)")
@@ -76,6 +87,7 @@ def _train(run_config, resume, checkpoints, stop):
   if resume:
     state, meta = checkpoints.restore(state)
     start = int(meta["next_batch"])
+    log_on_process_0(f"resuming from step {start} (checkpoint {checkpoints.directory / str(start)})")
   b, s = run_config.batch_size, run_config.seq_len
   flops_per_step = model_flops_per_token(model_config, s) * b * s
   peak = peak_tflops(run_config)
@@ -87,7 +99,7 @@ def _train(run_config, resume, checkpoints, stop):
         entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict(),
         remat_plan=remat_plan and remat_plan.as_dict()), indent=1, default=str))
     print(f"compiled in {compile_s:.1f} s", flush=True)
-    if plan:
+    if plan:  # a ring of one moves nothing: no plan
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
   history = []
@@ -98,7 +110,7 @@ def _train(run_config, resume, checkpoints, stop):
     nonlocal window_start, window_steps
     values = host_scalars(metrics)
     if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
-      checkpoints.manager.wait_until_finished()
+      checkpoints.finish()
       latest = checkpoints.latest_step()
       raise FloatingPointError(
           f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
@@ -119,10 +131,12 @@ def _train(run_config, resume, checkpoints, stop):
   try:
     for step in range(start, run_config.steps):
       state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh))
+      checkpoints.poll()
       if pending:
         settle(*pending)
       pending = (step, metrics)
       log.advance()
+      stop.failed = stop.failed or log.failure is not None  # all processes stop with process 0, which logs
       signum = stop.requested()
       every = run_config.checkpoint_every
       saving = signum or (every and ((step + 1) % every == 0 or step + 1 == run_config.steps))
@@ -134,10 +148,17 @@ def _train(run_config, resume, checkpoints, stop):
         pending = None
       if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
+      if signum == FAILED:
+        checkpoints.finish()
+        raise LogWriteFailed(f"{log.failure or 'process 0 could not write metrics.jsonl'}; stopped after step "
+                             f"{step}, saved checkpoint step {step + 1} in {checkpoints.directory}; continue with "
+                             "--resume")
       if signum:
         raise Stopped(signum, step + 1, checkpoints.directory)
     if pending:
       settle(*pending)
+    if log.failure:  # at the last step: its checkpoint, if any, is saved
+      raise LogWriteFailed(f"{log.failure}; the run finished; its last checkpoint is in {checkpoints.directory}")
   finally:
     log.close()
   return history

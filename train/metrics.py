@@ -1,12 +1,17 @@
 """What a run reports: metrics.jsonl, TensorBoard and a progress bar (process 0), peak memory, and the devices'
-peak FLOP/s for MFU."""
+peak FLOP/s for MFU. A metrics.jsonl that cannot be written stops the run (`LogWriteFailed`); TensorBoard that
+cannot be written is turned off with a warning."""
 
 import json
 import pathlib
+import sys
+import time
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
+from tensorboardX.summary import scalar
 from tqdm import tqdm
 
 import relaymoe_jax as rm
@@ -16,30 +21,68 @@ from train.rundir import keep_metrics_before
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
+class LogWriteFailed(OSError):
+  """metrics.jsonl could not be written (a full disk, a vanished directory): the run stopped."""
+
+
+class TensorBoard:
+  """A TensorBoard event file written in the calling thread (tensorboardX's `EventsWriter`): the writer thread of
+  tensorboardX's SummaryWriter, when a write fails, dies and leaves `add_scalar` and `close` blocked forever."""
+
+  def __init__(self, directory, start_step):
+    directory.mkdir(parents=True, exist_ok=True)
+    self.events = EventsWriter(str(directory / "events"))
+    if start_step:  # TensorBoard drops earlier files' events from this step on: a resumed run logs them again
+      self.events.write_event(event_pb2.Event(step=start_step, wall_time=time.time(),
+                                              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self.events.flush()
+
+  def write(self, step, scalars):
+    now = time.time()
+    for key, value in scalars.items():
+      self.events.write_event(event_pb2.Event(wall_time=now, step=step, summary=scalar(key, value)))
+    self.events.flush()
+
+  def close(self):
+    self.events.close()
+
+
 class MetricsLog:
   """metrics.jsonl (every logged step), TensorBoard, and a progress bar; only process 0 writes."""
 
   def __init__(self, out_dir, total_steps, start_step, tensorboard):
     self.active = jax.process_index() == 0
     self.path = pathlib.Path(out_dir) / "metrics.jsonl"
-    self.writer = self.bar = None
+    self.tensorboard = self.bar = None
+    self.failure = None  # why metrics.jsonl does not write: the loop stops the run, saving a checkpoint
     if not self.active:
       return
     self.path.parent.mkdir(parents=True, exist_ok=True)
     keep_metrics_before(self.path, start_step)
     if tensorboard:
-      self.writer = SummaryWriter(str(pathlib.Path(out_dir) / "tensorboard"))
+      try:
+        self.tensorboard = TensorBoard(pathlib.Path(out_dir) / "tensorboard", start_step)
+      except OSError as err:
+        self._tensorboard_off(err)
     self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
   def write(self, record):
-    if not self.active:
+    """Appends `record` to metrics.jsonl (where it cannot, sets `failure` and writes no more) and to TensorBoard
+    (turned off, with a warning, where it cannot)."""
+    if not self.active or self.failure:
       return
-    with self.path.open("a") as fh:
-      fh.write(json.dumps(record) + "\n")
-    if self.writer:
-      for key, value in record.items():
-        if key != "step" and isinstance(value, (int, float)):
-          self.writer.add_scalar(key, value, record["step"])
+    try:
+      with self.path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    except OSError as err:
+      self.failure = f"cannot write {self.path} ({err.strerror or err})"
+      return
+    if self.tensorboard:
+      try:
+        self.tensorboard.write(record["step"], {k: v for k, v in record.items()
+                                                if k != "step" and isinstance(v, (int, float))})
+      except OSError as err:
+        self._tensorboard_off(err)
     postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                    tflops_dev=f"{record['tflops_per_device']:.3g}",
                    mem_gib=f"{record['peak_memory_bytes'] / 2**30:.2f}")
@@ -51,9 +94,22 @@ class MetricsLog:
     if self.bar:
       self.bar.update(1)
 
+  def _tensorboard_off(self, err):
+    board, self.tensorboard = self.tensorboard, None
+    if board:
+      try:
+        board.close()
+      except OSError:
+        pass  # the write that failed said why
+    print(f"relaymoe-train: warning: TensorBoard turned off, its files do not write ({err}); metrics.jsonl keeps "
+          "every logged step", file=sys.stderr, flush=True)
+
   def close(self):
-    if self.writer:
-      self.writer.close()
+    if self.tensorboard:
+      try:
+        self.tensorboard.close()
+      except OSError as err:
+        self._tensorboard_off(err)
     if self.bar:
       self.bar.close()
 
@@ -78,6 +134,13 @@ def peak_tflops(run, devices=None):
     return run.peak_tflops_per_device
   kind = (devices or jax.devices())[0].device_kind
   return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+
+
+def size(nbytes):
+  """Bytes for a person: GiB, MiB or KiB, whichever reads as at least 1 (a small step read "0.00 GiB")."""
+  if nbytes >= 2**30:
+    return f"{nbytes / 2**30:.2f} GiB"
+  return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def log_on_process_0(message):

@@ -27,7 +27,7 @@ from train.compile import StepDoesNotFit, compile_step, device_limit_bytes, memo
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
 from train.plan_record import PLAN_FILE, Plan, plan_key, store_plan, stored_plan
-from train.metrics import log_on_process_0, peak_tflops
+from train.metrics import log_on_process_0, peak_tflops, size
 from train.sources import model_config_for
 from train.step import layer_forward_flops
 
@@ -135,8 +135,8 @@ class Planner:
     what = dict(changes, remat=_compact((remat,) if isinstance(remat, str) else remat),
                 **({"max_chunk_rows": cap} if cap else {}), **({"keep_gate_up": True} if keep_gate_up else {}))
     self.compiles.append((what, plan["total_bytes"]))
-    self.log(f"  compiled {what}: {plan['total_bytes'] / 2**30:.2f} GiB per device (budget "
-             f"{self.budget_bytes / 2**30:.2f}) in {plan['compile_s']:.0f} s")
+    self.log(f"  compiled {what}: {size(plan['total_bytes'])} per device (budget "
+             f"{size(self.budget_bytes)}) in {plan['compile_s']:.0f} s")
     return plan
 
   def compiled_step(self, remat, keep_gate_up=False, **changes):
@@ -334,16 +334,16 @@ def resolve_remat(run_config):
   key = plan_key(run_config, model_config_for(run_config), planner.budget_bytes)
   plan = stored_plan(path, key)
   if plan:
-    log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
-                     f"{plan.budget_bytes / 2**30:.2f}), planned before for this configuration ({path})")
+    log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
+                     f"{size(plan.budget_bytes)}), planned before for this configuration ({path})")
     return apply_plan(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
-                         f"{plan.total_bytes / 2**30:.2f} GiB per device, over the budget of "
-                         f"{plan.budget_bytes / 2**30:.2f} GiB. {_search_hint()}")
-  log_on_process_0(f"remat auto: {plan.summary()} ({plan.total_bytes / 2**30:.2f} GiB per device of "
-                   f"{plan.budget_bytes / 2**30:.2f})")
+                         f"{size(plan.total_bytes)} per device, over the budget of "
+                         f"{size(plan.budget_bytes)}. {_search_hint()}")
+  log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
+                   f"{size(plan.budget_bytes)})")
   if jax.process_index() == 0:
     store_plan(path, key, plan)
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
@@ -357,9 +357,9 @@ def suggest(run_config):
   """What the planner would change so that the run fits, in one sentence (it compiles a few variants)."""
   plan = make_planner(run_config, log=_quiet).plan()
   if plan.fits:
-    return (f"With runtime.remat=auto it fits: {plan.summary()}, {plan.total_bytes / 2**30:.2f} GiB per device "
+    return (f"With runtime.remat=auto it fits: {plan.summary()}, {size(plan.total_bytes)} per device "
             f"(`relaymoe-plan` prints the plan).")
-  return (f"Even {plan.remat[0]} in every layer needs {plan.total_bytes / 2**30:.2f} GiB per device. "
+  return (f"Even {plan.remat[0]} in every layer needs {size(plan.total_bytes)} per device. "
           f"{_search_hint()}")
 
 

@@ -10,6 +10,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+# What `requested()` returns when a process failed to write its logs: above any signal number, so it prevails.
+FAILED = 1 << 10
 
 
 class Stopped(Exception):  # noqa: N818  (not an error: the run stopped as asked)
@@ -33,7 +35,9 @@ class StopRequest:
 
   def __init__(self):
     self.signum = None
+    self.failed = False  # set by the loop: this process cannot go on (its metrics.jsonl does not write)
     self.previous = {}
+    self.note = "saving a checkpoint after this step, then stopping"  # what the loop does on a signal now
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -52,12 +56,13 @@ class StopRequest:
       return  # a repeated SIGTERM (some launchers send one per process group member): already stopping
     self.signum = signum
     # os.write, not print: a handler may run in the middle of another print to the same stream.
-    os.write(2, f"\nrelaymoe-train: got {NAMES[signum]}; saving a checkpoint after this step, then stopping "
-                "(Ctrl-C again to abort without saving)\n".encode())
+    os.write(2, f"\nrelaymoe-train: got {NAMES[signum]}; {self.note} (Ctrl-C again to abort without saving)\n"
+             .encode())
 
   def requested(self):
-    """The signal number every process should stop for now, or None."""
+    """The signal number every process should stop for now, FAILED where a process `failed`, or None."""
+    own = FAILED if self.failed else self.signum or 0
     if jax.process_count() == 1:
-      return self.signum
-    signums = multihost_utils.process_allgather(np.int32(self.signum or 0))
+      return own or None
+    signums = multihost_utils.process_allgather(np.int32(own))
     return int(np.max(signums)) or None

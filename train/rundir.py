@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 LOCK = ".lock"
 # What a run writes; --overwrite removes these and nothing else in the directory.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "run_config.json")
+UNFINISHED_SAVE = ".orbax-checkpoint-tmp"  # in the name of a checkpoint orbax is still writing
 
 
 class RunDirectoryError(RuntimeError):
@@ -44,6 +45,7 @@ class RunDirectory:
     self.out = pathlib.Path(out_dir)
     self.resume, self.overwrite = resume, overwrite
     self.handle = None
+    self.created = False
 
   def __enter__(self):
     error = None
@@ -51,6 +53,7 @@ class RunDirectory:
       try:
         self._lock()
         self._check_fresh()
+        self._remove_unfinished_saves()
       except Exception as err:  # noqa: BLE001  (re-raised below, after the other processes heard of it)
         error = err
     if jax.process_count() > 1:
@@ -62,20 +65,50 @@ class RunDirectory:
       raise error
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, exc_type, *exc):
+    if exc_type is not None and self.handle:
+      self._remove_if_unused()
     self._unlock()
 
-  def _lock(self):
-    self.out.mkdir(parents=True, exist_ok=True)
-    handle = (self.out / LOCK).open("a+")
+  def _remove_if_unused(self):
+    """A run that failed before it wrote anything (a config error found after the lock) leaves nothing behind:
+    not its empty checkpoints/, its lock file, nor the directory it made."""
+    if any((self.out / name).exists() for name in RUN_OUTPUTS if name != "checkpoints"):
+      return
     try:
-      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      handle.seek(0)
-      holder = handle.read().split() or ["unknown", "?"]
-      handle.close()
-      raise RunDirectoryError(f"{self.out} is in use by another run (pid {holder[0]} on {holder[-1]}); wait for "
-                              "it to end or pick another --out") from None
+      (self.out / "checkpoints").rmdir()
+    except FileNotFoundError:
+      pass
+    except OSError:
+      return  # not empty: a run's files
+    (self.out / LOCK).unlink(missing_ok=True)  # still held: a run that opened it meanwhile sees it gone
+    if self.created:
+      try:
+        self.out.rmdir()
+      except OSError:
+        pass  # someone put something there
+
+  def _lock(self):
+    if self.out.exists() and not self.out.is_dir():
+      raise RunDirectoryError(f"--out {self.out} is a file, not a directory")
+    try:
+      self.created = not self.out.exists()
+      self.out.mkdir(parents=True, exist_ok=True)
+      while True:
+        handle = (self.out / LOCK).open("a+")
+        try:
+          fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+          handle.seek(0)
+          holder = handle.read().split() or ["unknown", "?"]
+          handle.close()
+          raise RunDirectoryError(f"{self.out} is in use by another run (pid {holder[0]} on {holder[-1]}); wait "
+                                  "for it to end or pick another --out") from None
+        if _same_file(handle, self.out / LOCK):
+          break
+        handle.close()  # locked a lock file that a failed run removed meanwhile: lock the one there now
+    except OSError as err:
+      raise RunDirectoryError(f"--out {self.out}: cannot use it as the run directory ({_reason(err)})") from None
     handle.truncate(0)
     handle.write(f"{os.getpid()} {socket.gethostname()}\n")
     handle.flush()
@@ -87,16 +120,29 @@ class RunDirectory:
       self.handle.close()
       self.handle = None
 
+  def _remove_unfinished_saves(self):
+    """orbax writes a save into `N.orbax-checkpoint-tmp*` and renames it when complete: one left there is a save a
+    killed run never finished. Only the holder of the lock may remove them (a reader cannot tell them from saves
+    in progress)."""
+    unfinished = sorted(self.out.glob(f"checkpoints/*{UNFINISHED_SAVE}*"))
+    for path in unfinished:
+      shutil.rmtree(path)
+    if unfinished:
+      print(f"removed the unfinished checkpoint saves a killed run left in {self.out / 'checkpoints'}: "
+            f"{', '.join(p.name for p in unfinished)}", flush=True)
+
   def _check_fresh(self):
     if self.resume:
       return
     steps = checkpoint_steps(self.out / "checkpoints")
-    if not steps and not (self.out / "metrics.jsonl").exists():
+    outputs = [name for name in RUN_OUTPUTS if name != "checkpoints" and (self.out / name).exists()]
+    if not steps and not outputs:
       return
-    held = f"checkpoint step {steps[-1]}" if steps else "metrics.jsonl, no checkpoint"
+    held = f"checkpoint step {steps[-1]}" if steps else f"{', '.join(outputs)}, no checkpoint"
     if not self.overwrite:
-      raise RunDirectoryError(f"{self.out} holds an earlier run ({held}); continue it with --resume, or start "
-                              f"over with --overwrite (deletes its {', '.join(RUN_OUTPUTS)})")
+      resume = "continue it with --resume, or " if steps else "it has no checkpoint to --resume from; "
+      raise RunDirectoryError(f"{self.out} holds an earlier run ({held}); {resume}start over with --overwrite "
+                              f"(deletes its {', '.join(RUN_OUTPUTS)})")
     removed = [name for name in RUN_OUTPUTS if (self.out / name).exists()]
     for name in removed:
       path = self.out / name
@@ -105,6 +151,18 @@ class RunDirectory:
       else:
         path.unlink()
     print(f"--overwrite: removed the earlier run ({held}) from {self.out}: {', '.join(removed)}", flush=True)
+
+
+def _same_file(handle, path):
+  try:
+    return os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+  except FileNotFoundError:
+    return False
+
+
+def _reason(err):
+  """'Read-only file system: /x' from an OSError: what the OS said, and of what."""
+  return f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)
 
 
 def keep_metrics_before(path, step):

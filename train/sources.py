@@ -15,6 +15,7 @@ from models import hf, qwen3
 from models.config import from_mapping, read_yaml
 from models.hf_config import config_from_hf
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, load_config, split_legacy
+from train.checkpoints import CheckpointUnreadable, first_line, read_failure
 from train.config import RunConfig
 
 MODEL_YAML = "model.yaml"
@@ -73,7 +74,12 @@ def restore_params(path, model_config, runtime, mesh, stored=CONVERTED_RUNTIME):
                      f"runtime.scan_layers={str(stored.scan_layers).lower()} to start from them")
   abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh, runtime=runtime)[1])
   with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(pathlib.Path(path).absolute(), abstract)
+    try:
+      return checkpointer.restore(pathlib.Path(path).absolute(), abstract)
+    except Exception as err:
+      if not read_failure(err):
+        raise
+      raise CheckpointUnreadable(f"{path} does not read ({first_line(err)})") from err
 
 
 def model_from_params(model_config, runtime, mesh, params):
