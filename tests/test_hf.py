@@ -8,6 +8,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -104,6 +105,15 @@ def test_unscanned_layers_give_the_same_logits(family):
   scanned = np.asarray(_logits(_loaded(family), tokens))
   assert np.abs(unrolled - expected).max() <= LOGITS_ATOL
   np.testing.assert_allclose(unrolled, scanned, atol=1e-5)
+
+
+def test_import_onto_an_explicit_mesh_without_tensor_gives_transformers_logits():
+  """`jax.make_mesh` gives Explicit axes; 'tensor' left out is taken as size 1."""
+  tokens, expected = _reference("qwen3_moe")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices()[:8])
+  model = hf.from_hf(FIXTURES / "qwen3_moe", mesh=mesh, runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
+                     param_dtype="float32")
+  assert np.abs(np.asarray(_logits(model, tokens)) - expected).max() <= LOGITS_ATOL
 
 
 def _spec(array):

@@ -152,7 +152,6 @@ def test_resume_continues_exactly(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
 
 
-@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
   """Another layout is an error from the newest checkpoint's metadata, never a fall back to an older one."""
   unstacked = dataclasses.replace(F32, scan_layers=False)
@@ -251,7 +250,6 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_two_processes_on_cpu_match_one(tmp_path):
   """Two local processes with 4 emulated devices each (gloo collectives) train exactly like one process with 8."""
   port = _free_port()
@@ -272,7 +270,6 @@ def test_two_processes_on_cpu_match_one(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
-@pytest.mark.slow  # an end-to-end run; CI's second step runs it
 def test_cli_keeps_the_compiled_step_in_its_compilation_cache(tmp_path):
   cache = tmp_path / "xla-cache"
   cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--steps", "1", "batch_size=8", "seq_len=16",
