@@ -6,6 +6,7 @@ metadata_params={nn.PARTITION_NAME: None})` stacks them with a replicated layer 
 gives their shardings. Shape letters: see relaymoe_jax.
 """
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -44,11 +45,8 @@ class MoE(nn.Module):
   init_scale: float = 1.0
 
   def block_config(self):
-    return BlockConfig(num_experts=self.num_experts, top_k=self.top_k, d_ff=self.d_ff,
-                       shared_d_ff=self.shared_d_ff, shared_gate=self.shared_gate,
-                       norm_topk_prob=self.norm_topk_prob, mesh=self.mesh, dispatcher=self.dispatcher,
-                       dispatcher_options=self.dispatcher_options, expert_axis=self.expert_axis,
-                       token_axes=self.token_axes, tensor_axis=self.tensor_axis, dtype=self.dtype)
+    """The `BlockConfig` of this layer's fields (a Linen module declares its own: it is a dataclass of them)."""
+    return BlockConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(BlockConfig)})
 
   @nn.compact
   def __call__(self, x):
