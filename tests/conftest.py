@@ -4,8 +4,15 @@ On a GPU machine, `pytest` runs on the real GPUs (cases whose mesh needs more de
 the reason); `JAX_PLATFORMS=cpu pytest` runs everything on 8 emulated CPU devices, as CI does.
 """
 
+import os
+
 import chex
 
+# XLA:CPU aborts the process when a collective's participants have not all arrived within 40 s, which 8 emulated
+# devices on a loaded 2-core machine can exceed (the likely cause of a CI abort whose message pytest's capture hid).
+_PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
+                        "--xla_cpu_collective_call_terminate_timeout_seconds=900")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_PATIENT_COLLECTIVES}".strip()
 chex.set_n_cpu_devices(8)  # before any JAX operation: it rewrites XLA_FLAGS' host device count, keeping other flags
 
 import jax  # noqa: E402
