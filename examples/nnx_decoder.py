@@ -1,7 +1,8 @@
 """A minimal Flax NNX decoder with `rm.nnx.MoE` as its MLP, trained a few steps on a 2 data × 4 expert mesh.
 
 Run: `python examples/nnx_decoder.py` (8 emulated CPU devices when no GPUs: set
-XLA_FLAGS=--xla_force_host_platform_device_count=8). Shape letters: see relaymoe_jax.
+XLA_FLAGS=--xla_force_host_platform_device_count=8 and NPROC=256, which sizes XLA:CPU's thread pool so
+that programs in flight together cannot deadlock it). Shape letters: see relaymoe_jax.
 """
 
 import jax

@@ -8,11 +8,11 @@ import os
 
 import chex
 
-# XLA:CPU aborts the process when a collective's participants have not all arrived within 40 s, which 8 emulated
-# devices on a loaded 2-core machine can exceed (the likely cause of a CI abort whose message pytest's capture hid).
-_PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
-                        "--xla_cpu_collective_call_terminate_timeout_seconds=900")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_PATIENT_COLLECTIVES}".strip()
+# XLA:CPU runs every emulated device's share of a program on one pool of max(cores, devices) threads. With two
+# programs with collectives in flight, each can hold threads that wait for participants left without one: a
+# deadlock that XLA ends after 40 s by aborting the process (2-core machines hit it, CI among them). XLA sizes the
+# pool from NPROC where it is set: room for every program that may be in flight (32 per device).
+os.environ.setdefault("NPROC", "256")
 chex.set_n_cpu_devices(8)  # before any JAX operation: it rewrites XLA_FLAGS' host device count, keeping other flags
 
 import jax  # noqa: E402

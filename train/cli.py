@@ -75,6 +75,9 @@ def _start(args, overrides):
   # first device query, not at import): nothing before this line may ask for a device.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+  # Emulated devices share one pool of max(cores, devices) threads; two programs with collectives in flight can
+  # deadlock it (XLA aborts after 40 s; a checkpoint's checksums did on 2 cores). XLA sizes it from NPROC.
+  os.environ.setdefault("NPROC", str(32 * args.cpu_devices))
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
   _start_distributed(args)
 
