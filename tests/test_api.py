@@ -185,3 +185,15 @@ def test_route_takes_any_leading_dims():
   idx_BSK, w_BSK, aux = rm.route(x_TD.reshape(4, 6, 16), router_DE, top_k=2)
   assert idx_BSK.shape == (4, 6, 2) and w_BSK.shape == (4, 6, 2)
   chex.assert_trees_all_close((idx_BSK.reshape(24, 2), w_BSK.reshape(24, 2), aux), flat, rtol=1e-6)
+
+
+def test_programs_with_collectives_in_flight_together_finish_on_emulated_devices():
+  """160 programs with collectives, on all 8 devices and on 4 of them, dispatched before any finishes (as a
+  checkpoint's checksums or the oracle check's pieces are). XLA:CPU runs them on one thread pool, which conftest
+  sizes through NPROC; at its default of max(cores, devices) they deadlocked on 2 cores and XLA aborted the process."""
+  meshes = [mesh_of((8,), ("x",)), mesh_of((4,), ("x",))]
+  arrays = [jax.device_put(jnp.full((8, 64), float(i)), NamedSharding(m, P("x"))) for i, m in
+            enumerate(meshes * 8)]
+  programs = [jax.jit(lambda a, k=k: (a * k).sum(0) + a.sum()) for k in range(16)]
+  sums = jax.block_until_ready([[f(a) for f, a in zip(programs, arrays)] for _ in range(10)])[-1]
+  assert [float(s[0]) for s in sums] == [8.0 * k * k + 512.0 * k for k in range(16)]  # rows·k·i + 8·64·i, i = k
