@@ -4,6 +4,7 @@
                                   [--topology 1x1x8 --topology-layers 4,48] [--no-confirm]
     python -m benchmarks.capacity --merge A.json B.json --out C.json   # one table from several runs
     python -m benchmarks.capacity --loss-head-only --topology 1x1x1 --target-config benchmarks/gpu_specs/h200.txtpb
+    python -m benchmarks.capacity --context-parallel --no-local --topology 1x1x8 --topology-layers 48 ...
 
 Per dispatcher, `relaymoe-plan --maximize seq` (in parallel processes: compiling is CPU work) finds the longest
 sequence at micro-batch 1 per GPU whose compiled train step fits the device, with that dispatcher's own most
@@ -12,7 +13,8 @@ step (`relaymoe-train`, one step, no checkpoint) and the first size above it is 
 show that it really does not fit. `--topology 1x1x8` repeats the search compile-only for a host of eight GPUs of
 this machine's kind, or of `--target-config`'s on a machine without one (JAX's deviceless compilation, with the
 CUDA plugin installed; nothing runs). A loss-head table compares the compiled temporaries of the plain loss (full
-float32 logits) and the chunked one at 65536 tokens.
+float32 logits) and the chunked one at 65536 tokens. `--context-parallel`: one sequence spread over the expert
+axis (`runtime.context_parallel`), written to capacity_cp.json with its own summary line.
 
 Writes JSON, a table whose last line is the summary, and a plot under benchmarks/results/.
 """
@@ -179,13 +181,25 @@ def _step(r):
 
 def summary(data):
   """The line people read: per variant, the longest sequence over the settings on real GPUs (not a topology):
-  a limit counts where its real step, if one was run, trained, and the size above it where its step trained."""
+  a limit counts where its real step, if one was run, trained, and the size above it where its step trained.
+  Under context parallelism: the deepest setting on the most GPUs, compile-only included."""
+  if data.get("context_parallel"):
+    return _context_parallel_summary(data)
   local = [s for s in data["settings"] if not s.get("topology")] or data["settings"][:1]
   seq = {v: max([_longest(s["variants"].get(v, {})) for s in local] or [0]) for v in VARIANTS}
   local = local[0]
   ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
   return (f"summary: capacity model=qwen3_30b gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
           f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
+
+
+def _context_parallel_summary(data):
+  setting = max(data["settings"], key=lambda s: (s.get("gpus") or 0, s["layers"]))
+  seq = {v: _longest(setting["variants"].get(v, {})) for v in VARIANTS}
+  ratio = seq["ring"] / seq["a2a_dropless"] if seq["a2a_dropless"] else float("nan")
+  return (f"summary: capacity_cp model=qwen3_30b gpus={setting['gpus']} layers={setting['layers']} "
+          f"ring_max_seq={seq['ring']} a2a_max_seq={seq['a2a_dropless']} cf1_max_seq={seq['a2a_cf1']} "
+          f"ratio={ratio:.2f}")
 
 
 def _ran(step):
@@ -258,17 +272,22 @@ def main(argv=None):
   parser.add_argument("--no-loss-head", action="store_true")
   parser.add_argument("--loss-head-only", action="store_true", help="only the loss-head table (with --topology and no "
                       "GPU here: compiled for the topology's GPU)")
+  parser.add_argument("--context-parallel", action="store_true", help="each sequence split over the expert axis "
+                      "(default --out: capacity_cp.json)")
   parser.add_argument("--work", default="/tmp/relaymoe_capacity")
   parser.add_argument("--merge", nargs="+")
-  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "capacity.json"))
+  parser.add_argument("--out")
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides for every run")
   args = parser.parse_args(argv)
+  args.out = args.out or os.path.join(harness.RESULTS,
+                                      "capacity_cp.json" if args.context_parallel else "capacity.json")
   if args.merge:
     return merge(args.merge, args.out)
   variants = args.variants.split(",")
   # The machine (and, alone, the loss head) from a JAX child, which holds no GPU memory once it has answered.
   info = describe(args.loss_head_only, args.topology, args.target_config)
-  data = dict(command=harness.command_line("capacity", argv), machine=info["machine"], settings=[])
+  data = dict(command=harness.command_line("capacity", argv), machine=info["machine"], settings=[],
+              context_parallel=args.context_parallel)
   if args.loss_head_only:
     data["loss_head"] = info["loss_head"]
     return write(data, args.out)
@@ -277,6 +296,9 @@ def main(argv=None):
   if args.ring_chunk_rows:  # the all-to-all variants keep only the backend of these options
     overrides.append(f"runtime.dispatcher_options={{chunk_rows: {args.ring_chunk_rows}}}")
   suffix = f", ring chunk_rows {args.ring_chunk_rows}" if args.ring_chunk_rows else ""
+  if args.context_parallel:
+    overrides.append("runtime.context_parallel=true")
+    suffix += ", context parallel"
   if not args.no_local:
     local = dict(layers=args.layers, suffix=suffix)
     searches.append((local, start_search(args.config, args.layers, variants, args.work, args.start_seq,

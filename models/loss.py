@@ -30,7 +30,7 @@ DEFAULT_CHUNK_TOKENS = 1024
 DEFAULT_VOCAB_TILE = 16384
 
 
-def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, vocab_axis=None,
+def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequence_axis=None, vocab_axis=None,
                           chunk_tokens=DEFAULT_CHUNK_TOKENS, vocab_tile=DEFAULT_VOCAB_TILE):
   """Per-token softmax cross-entropy of the logits x · head, in float32, chunk by chunk.
 
@@ -41,6 +41,7 @@ def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, vocab_
     labels_BS: int target ids.
     mesh: the mesh of those axes.
     token_axes: mesh axes that split B.
+    sequence_axis: mesh axis that splits S (context parallelism: every token is scored where it is), or None.
     vocab_axis: mesh axis that splits V of the head (tensor parallelism), or None.
     chunk_tokens: tokens per device per chunk (rounded to whole sequence positions of the local batch).
     vocab_tile: vocabulary columns per tile (of each device's slice of the vocabulary).
@@ -48,13 +49,13 @@ def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, vocab_
   Returns:
     loss_BS float32, split like x over B; differentiable in x and head.
   """
-  token_axes = tuple(token_axes)
-  tok = P(token_axes)
+  tok = P(tuple(token_axes), sequence_axis)
+  split_axes = tuple(token_axes) + ((sequence_axis,) if sequence_axis else ())
 
   def per_device(x_BSD, head_DV, labels_BS):
     chunk_len = max(1, min(x_BSD.shape[1], chunk_tokens // x_BSD.shape[0]))
     tile = max(1, min(head_DV.shape[1], vocab_tile))
-    return _cross_entropy(x_BSD, head_DV, labels_BS, (chunk_len, tile), token_axes, vocab_axis)
+    return _cross_entropy(x_BSD, head_DV, labels_BS, (chunk_len, tile), split_axes, vocab_axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok), out_specs=tok,
                        check_vma=True)(x_BSD, head_DV, labels_BS)

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 import relaymoe_jax as rm
+from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
+                                     to_held_order, to_sequence_order, unflatten_tokens)
 from models.loss import chunked_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
-from models.sharding import TOKEN_AXES, model_mesh, param_spec
-from relaymoe_jax.axes import TENSOR
+from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
+from relaymoe_jax.axes import EXPERT, TENSOR
 
 LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
 
@@ -105,6 +107,7 @@ class Attention(_Layer):
     c = config
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
+    self.mesh = mesh
     self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
         "kv_DG", (d, hkv))
     self.o_HD = param("o_HD", (hq, d))
@@ -130,7 +133,10 @@ class Attention(_Layer):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
+    if splits_sequences(self.runtime, self.mesh):
+      out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5)
+    else:
+      out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
@@ -168,19 +174,19 @@ class MoE(_Layer):
   def __call__(self, x_BSD):
     c = self.config
     b, s, d = x_BSD.shape
-    x_TD = x_BSD.reshape(b * s, d)
+    run = self.runtime
+    x_TD = flatten_tokens(x_BSD, self.mesh) if run.context_parallel else x_BSD.reshape(b * s, d)
     idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
                                  norm_topk_prob=c.norm_topk_prob)
     shared = {}
     if c.shared_expert_intermediate_size:
       shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
                             self.cast(self.shared_down_FD)), shared_gate_D1=self.cast(self.shared_gate_D1))
-    run = self.runtime
     y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
                       self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=run.dispatcher, token_axes=TOKEN_AXES,
                       tensor_axis=TENSOR if run.moe_tensor_parallel else None, **shared,
                       **dict(run.dispatcher_options))
-    return y_TD.reshape(b, s, d), aux
+    return (unflatten_tokens(y_TD, b, s, self.mesh) if run.context_parallel else y_TD.reshape(b, s, d)), aux
 
 
 class DecoderLayer(_Layer):
@@ -287,6 +293,7 @@ class Qwen3MoE(_Layer):
     """(float32 logits [B, S, V], router losses: see `hidden_and_aux`)."""
     with _matmul_precision(self.runtime):
       x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      x_BSD = self._in_sequence_order(x_BSD)
       return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
 
   def cross_entropy_and_aux(self, tokens_BS, labels_BS):
@@ -294,23 +301,30 @@ class Qwen3MoE(_Layer):
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
     with _matmul_precision(self.runtime):
       x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      labels_BS = self._in_held_order(labels_BS)
       if not self.runtime.loss_chunk_tokens:
         logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS), aux
-      return chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=TOKEN_AXES,
-                                   vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens), aux
+        ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS)
+      else:
+        ce_BS = chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh,
+                                      token_axes=batch_axes(self.runtime), sequence_axis=sequence_axis(self.runtime),
+                                      vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens)
+      return self._in_sequence_order(ce_BS), aux
 
   def head_DV(self):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
     return self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
 
   def hidden_and_aux(self, tokens_BS):
-    """(final normed hidden states [B, S, D], router losses of the MoE layers: Hugging Face's load-balancing loss
-    over every layer's routing (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
+    """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
+    losses of the MoE layers: Hugging Face's load-balancing loss over every layer's routing
+    (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
     b, s = tokens_BS.shape
-    tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, NamedSharding(self.mesh, P(TOKEN_AXES, None)))
+    held = NamedSharding(self.mesh, activation_spec(self.runtime))
+    tokens_BS = jax.lax.with_sharding_constraint(self._in_held_order(tokens_BS), held)
     x = self.cast(self.embed_VD)[tokens_BS]
-    positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    positions_BS = jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(self._in_held_order(jnp.arange(s, dtype=jnp.int32)[None]), (b, s)), held)
     auxes = []
     for layers in self.layers:
       x, layer_auxes = layers(x, positions_BS)
@@ -320,6 +334,20 @@ class Qwen3MoE(_Layer):
       return x, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
     return x, {"load_balancing_loss": rm.load_balancing_loss(auxes),
                "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
+
+  def _ring(self):
+    return self.mesh.shape[EXPERT]
+
+  def _in_held_order(self, x_BS):
+    """x in the order the model holds a sequence: its own, or under context parallelism each device's two chunks
+    (`models.context_parallel`)."""
+    if not splits_sequences(self.runtime, self.mesh):
+      return x_BS
+    check_sequence(x_BS.shape[1], self._ring())
+    return to_held_order(x_BS, self._ring())
+
+  def _in_sequence_order(self, x_BS):
+    return to_sequence_order(x_BS, self._ring()) if splits_sequences(self.runtime, self.mesh) else x_BS
 
 
 def _matmul_precision(runtime):

@@ -75,8 +75,13 @@ class RuntimeConfig:
   loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
   # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
   attention_implementation: str = "auto"
+  # Split the parameters outside the experts (attention, embeddings, dense and shared MLPs) over ('data',
+  # 'expert'), every device they would otherwise be replicated on (ZeRO-3); experts are split over 'expert' anyway.
   fsdp: bool = False
   moe_tensor_parallel: bool = False  # split F of every expert over 'tensor' (expert tensor parallelism)
+  # Split each sequence over 'expert' (batch rows over 'data' only) in load-balanced causal order; attention
+  # gathers K and V across the shards (`models.context_parallel`). seq_len must divide by 2 × expert.
+  context_parallel: bool = False
   # Run each stretch of consecutive layers of one kind as one `lax.scan` over parameters stacked on a leading
   # axis: one layer is traced and compiled whatever the depth (a ring layer takes about a minute to compile on a
   # GPU). False: a Python loop over layers, each compiled on its own, which lets XLA overlap across layers.

@@ -1,10 +1,12 @@
 """Where the model's parameters and activations live ("MoE parallel folding": the same devices, a layout per block).
 
 Attention and embeddings split the batch over ('data', 'expert') and heads / MLP width over 'tensor' (parameters
-optionally FSDP over 'data'); the MoE block splits tokens over ('data', 'expert') and experts over 'expert', where
-the ring runs. Every parameter's PartitionSpec is in `PARAM_SPECS`, named by its role (shape letters: see
-`relaymoe_jax`).
+optionally FSDP over ('data', 'expert'), the devices they are replicated on otherwise); the MoE block splits tokens over ('data', 'expert') and experts over 'expert', where
+the ring runs. Under context parallelism the batch is split over 'data' and each sequence over 'expert'. Every
+parameter's PartitionSpec is in `PARAM_SPECS`, named by its role (shape letters: see `relaymoe_jax`).
 """
+
+import math
 
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
@@ -13,7 +15,7 @@ from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 
 MESH_AXES = (DATA, EXPERT, TENSOR)
 TOKEN_AXES = (DATA, EXPERT)
-FSDP = "fsdp"  # placeholder in PARAM_SPECS: DATA when FSDP is on, else replicated
+FSDP = "fsdp"  # placeholder in PARAM_SPECS: the token axes when FSDP is on, else replicated
 ETP = "etp"  # placeholder in PARAM_SPECS: TENSOR when expert tensor parallelism is on, else replicated
 
 PARAM_SPECS = {
@@ -27,8 +29,34 @@ PARAM_SPECS = {
 }
 
 
+def batch_axes(runtime):
+  """Mesh axes that split a batch's rows: the token axes, or 'data' alone under context parallelism."""
+  return (DATA,) if runtime.context_parallel else TOKEN_AXES
+
+
+def sequence_axis(runtime):
+  """The mesh axis that splits each sequence: 'expert' under context parallelism (`models.context_parallel`)."""
+  return EXPERT if runtime.context_parallel else None
+
+
+def batch_spec(runtime):
+  """Where a batch of token rows [B, S] enters the model (under context parallelism the model splits each
+  sequence itself, in its own order)."""
+  return P(batch_axes(runtime), None)
+
+
+def activation_spec(runtime):
+  """Where the model's [B, S, ...] activations live."""
+  return P(batch_axes(runtime), sequence_axis(runtime))
+
+
+def batch_shards(mesh, runtime):
+  """How many ways a batch's rows are split."""
+  return math.prod(mesh.shape[a] for a in batch_axes(runtime))
+
+
 def param_spec(role, runtime):
-  placeholders = {FSDP: DATA if runtime.fsdp else None, ETP: TENSOR if runtime.moe_tensor_parallel else None}
+  placeholders = {FSDP: TOKEN_AXES if runtime.fsdp else None, ETP: TENSOR if runtime.moe_tensor_parallel else None}
   return P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
 
 

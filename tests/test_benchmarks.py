@@ -239,6 +239,19 @@ def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
   assert "| 1x1x8 compile-only 4 layers | ring | 1048576 |" in text
 
 
+def test_context_parallel_capacity_summarises_the_deepest_setting_on_the_most_gpus():
+  shallow = dict(name="1x1x8 compile-only 4 layers, context parallel", layers=4, gpus=8, topology="1x1x8",
+                 variants=dict(ring=_capacity_found(8388608), a2a_dropless=_capacity_found(262144),
+                               a2a_cf1=_capacity_found(2097152)))
+  deep = dict(shallow, name="1x1x8 compile-only 48 layers, context parallel", layers=48, variants=dict(
+      ring=_capacity_found(4194304), a2a_dropless=_capacity_found(131072), a2a_cf1=_capacity_found(1048576)))
+  data = dict(command="python -m benchmarks.capacity --context-parallel", machine={}, settings=[shallow, deep],
+              context_parallel=True)
+  assert capacity.render(data).splitlines()[-1] == (
+      "summary: capacity_cp model=qwen3_30b gpus=8 layers=48 ring_max_seq=4194304 a2a_max_seq=131072 "
+      "cf1_max_seq=1048576 ratio=32.00")
+
+
 def test_capacity_summary_counts_a_size_above_the_limit_whose_step_trained():
   """The planner's limit is conservative by its headroom: a step above it that trained (fit check lifted) is the
   variant's longest; one that failed is not."""

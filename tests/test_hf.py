@@ -134,7 +134,7 @@ def test_parameters_load_into_the_models_own_sharding(overrides):
   experts = next(a for p, a in loaded.items() if p[-1] == "w_gate_EDF")
   assert _spec(experts)[-3] == "expert" and experts.addressable_shards[0].data.shape[-3] == 8 // 4
   if overrides.get("fsdp"):
-    assert _spec(loaded[("layers", 0, "attn", "q_DH")]) == ("data", "tensor")
+    assert _spec(loaded[("layers", 0, "attn", "q_DH")]) == (("data", "expert"), "tensor")
   _assert_same_params(_params(model), _params(_loaded("qwen3_moe", **{k: v for k, v in overrides.items()
                                                                         if k != "fsdp"})))
 

@@ -271,3 +271,18 @@ def test_maximize_finds_the_longest_sequence_that_fits(uniform):
   assert plan.fits and plan.remat == ("layer", "layer") and plan.seq_len % 16 == 0 and plan.seq_len >= 128
   assert planner.measure("layer", seq_len=above)["total_bytes"] > budget
   assert above - plan.seq_len <= max(16, plan.seq_len // 32 // 16 * 16), (plan.seq_len, above)
+
+
+@pytest.mark.slow
+def test_maximize_under_context_parallelism_spreads_one_sequence_over_expert(uniform, tmp_path, monkeypatch):
+  """One sequence per 'data' shard, its length a multiple of 2 × expert, and longer than the longest without
+  context parallelism at the same budget (each of the 4 expert shards holds a quarter of it)."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  budget = between(uniform, 0.5)
+  cli.plan_main(["--config", "cpu", "--out", str(tmp_path), "--variants", "ring", "--maximize", "seq",
+                 "--granule", "16", "--no-upgrade", *OVERRIDES, "runtime.context_parallel=true",
+                 f"device_memory_gib={memory_gib(budget)}"])
+  plan = json.loads((tmp_path / "plan.json").read_text())["variants"]["ring"]["plan"]
+  assert plan["batch_size"] == BASE.mesh.data and plan["seq_len"] % (2 * BASE.mesh.expert) == 0
+  without = planner_with(budget).maximize("seq_len", 16, upgrade=False)[0]
+  assert plan["fits"] and plan["seq_len"] > without.seq_len

@@ -30,7 +30,6 @@ from train.loop import run
 from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
 from train import checkpoints as train_checkpoints
-from train import compile as train_compile
 from train import metrics as train_metrics
 from train import loop as train_loop
 from train.cli import _parse, _start
@@ -62,7 +61,7 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=F32))
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
-  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16), mesh)
+  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16), mesh, RuntimeConfig())
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
   state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
   new_state, metrics = step(state, tokens)
@@ -250,11 +249,15 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_on_cpu_match_one(tmp_path):
-  """Two local processes with 4 emulated devices each (gloo collectives) train exactly like one process with 8."""
+@pytest.mark.parametrize("extra", [pytest.param([], id="rows"), pytest.param(
+    ["runtime.context_parallel=true", "mesh.data=1", "mesh.expert=8"], id="context-parallel",
+    marks=pytest.mark.slow)])
+def test_two_processes_on_cpu_match_one(tmp_path, extra):
+  """Two local processes with 4 emulated devices each (gloo collectives) train exactly like one process with 8
+  (under context parallelism over all 8, each sequence spans both processes)."""
   port = _free_port()
   common = ["--config", "cpu", "--steps", "3", "--cpu-devices", "4", "batch_size=8", "seq_len=16", "log_every=1",
-            "tensorboard=false", f"out_dir={tmp_path / 'multi'}"]
+            "tensorboard=false", f"out_dir={tmp_path / 'multi'}", *extra]
   env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO)
   procs = [subprocess.Popen([sys.executable, "-m", "train.cli", "--coordinator", f"127.0.0.1:{port}",
                              "--num-processes", "2", "--process-id", str(i), *common], cwd=REPO, env=env,
@@ -264,7 +267,7 @@ def test_two_processes_on_cpu_match_one(tmp_path):
     assert p.returncode == 0, out[-3000:]
   multi = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
   single = run(load_run_config("cpu", ["steps=3", "batch_size=8", "seq_len=16", "log_every=1",
-                                       "tensorboard=false", f"out_dir={tmp_path / 'single'}"]))
+                                       "tensorboard=false", f"out_dir={tmp_path / 'single'}", *extra]))
   assert [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(multi, single):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

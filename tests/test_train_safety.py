@@ -92,7 +92,7 @@ def test_yaml_values_are_checked_too(tmp_path):
 
 
 def test_a_batch_that_does_not_split_over_the_token_shards_is_named(tmp_path):
-  with pytest.raises(ValueError, match=r"batch_size=6 does not split over the mesh's 8 token shards \(data=2 × "
+  with pytest.raises(ValueError, match=r"batch_size=6 does not split over the mesh's 8 shards of rows \(data=2 × "
                                        r"expert=4\); use a multiple of 8"):
     run_mesh(tiny_run(tmp_path, batch_size=6))
 
@@ -214,6 +214,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
   common = ["--config", "cpu", "compilation_cache_dir=''", "batch_size=8", "seq_len=16"]
   cases = [(["steps=abc"], 2, "error: override: steps='abc' is not an int"),
            (["batch_size=6"], 2, "error: batch_size=6 does not split"),
+           (["runtime.context_parallel=true", "seq_len=20"], 2, "error: context parallelism over expert=4 cuts each "
+            "sequence into 8 chunks: seq_len=20 is not a multiple of 8"),
+           (["runtime.context_parallel=true", "batch_size=3"], 2, "error: batch_size=3 does not split over the "
+            "mesh's 2 shards of rows (data=2)"),
            (["--out", str(tmp_path / "run")], 2, "error: " + str(tmp_path / "run") + " holds an earlier run"),
            (["--out", str(tmp_path / "none"), "--resume"], 2, "error: --resume: no checkpoint in")]
   for argv, status, message in cases:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import relaymoe_jax as rm
 from models import qwen3
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
-from models.sharding import TOKEN_AXES
+from models.sharding import batch_spec
 from train.config import RunConfig
 from train.mesh import run_mesh
 from train.metrics import log_on_process_0, size
@@ -66,7 +66,7 @@ def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
   step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),
                            mesh)
   batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
-                               sharding=NamedSharding(mesh, P(TOKEN_AXES, None)))
+                               sharding=NamedSharding(mesh, batch_spec(run_config.runtime)))
   start = time.perf_counter()
   compiled = step_fn.lower(state, batch).compile()
   return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,

@@ -130,7 +130,7 @@ def _train(run_config, resume, checkpoints, stop):
 
   try:
     for step in range(start, run_config.steps):
-      state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh))
+      state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh, run_config.runtime))
       checkpoints.poll()
       if pending:
         settle(*pending)

@@ -5,7 +5,9 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from models.sharding import MESH_AXES, TOKEN_AXES
+from models.context_parallel import check_sequence
+from models.sharding import MESH_AXES, TOKEN_AXES, batch_axes, batch_shards, batch_spec
+from relaymoe_jax.axes import EXPERT
 
 
 def build_mesh(mesh_config, devices=None):
@@ -25,23 +27,29 @@ def build_mesh(mesh_config, devices=None):
 
 
 def token_shards(mesh):
-  """How many ways the batch is split: data × expert."""
+  """How many ways the tokens are split: data × expert (by rows, or under context parallelism by rows over data
+  and sequence positions over expert)."""
   return math.prod(mesh.shape[a] for a in TOKEN_AXES)
 
 
 def run_mesh(run_config, devices=None):
-  """The run's mesh, checked to split its batch: each token shard (data × expert) takes whole sequences."""
+  """The run's mesh, checked to split its batch: each shard of rows (data × expert, or data alone under context
+  parallelism) takes whole sequences, and under context parallelism each sequence splits into 2 × expert chunks."""
   mesh = build_mesh(run_config.mesh, devices)
-  shards = token_shards(mesh)
+  runtime = run_config.runtime
+  shards = batch_shards(mesh, runtime)
   if run_config.batch_size % shards:
-    raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} token shards "
-                     f"({' × '.join(f'{a}={mesh.shape[a]}' for a in TOKEN_AXES)}); use a multiple of {shards}")
+    raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} shards of rows "
+                     f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
+                     f"{shards}")
+  if runtime.context_parallel:
+    check_sequence(run_config.seq_len, mesh.shape[EXPERT])
   return mesh
 
 
-def global_batch(tokens, mesh):
-  """The same global numpy batch on every process → one global array split over the token axes."""
-  sharding = NamedSharding(mesh, P(TOKEN_AXES, None))
+def global_batch(tokens, mesh, runtime):
+  """The same global numpy batch on every process → one global array whose rows split as the model takes them."""
+  sharding = NamedSharding(mesh, batch_spec(runtime))
   return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 

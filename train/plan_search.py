@@ -3,10 +3,13 @@ all-to-all), the plan at the run's shape or the longest sequence / largest batch
 machine's devices or for a GPU host it is not (`topology_devices`)."""
 
 import dataclasses
+import math
 
 from jax.experimental import topologies
 
-from train.mesh import build_mesh, token_shards
+from models.sharding import batch_shards
+from relaymoe_jax.axes import EXPERT
+from train.mesh import build_mesh
 from train.plan import make_planner
 
 
@@ -34,11 +37,15 @@ def variant_config(run_config, name):
 
 def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
            upgrade=True):
-  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at micro-batch 1 per
-  token shard, or (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
+  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at one sequence per shard
+  of rows (per token shard; under context parallelism per 'data' shard, each sequence spanning 'expert'), or
+  (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
   {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
   results = {}
-  shards = token_shards(build_mesh(run_config.mesh, devices))
+  mesh = build_mesh(run_config.mesh, devices)
+  shards = batch_shards(mesh, run_config.runtime)
+  if run_config.runtime.context_parallel:  # a sequence splits into 2 × expert chunks
+    granule = math.lcm(granule or 1024, 2 * mesh.shape[EXPERT])
   for name in variants:
     config = variant_config(run_config, name)
     log(f"{name} ({config.runtime.dispatcher}):")

@@ -1,0 +1,208 @@
+"""Context parallelism: each sequence split over 'expert' computes what the whole sequence on one device does.
+
+Float32 on 8 emulated CPU devices; the reference is the same model (or `jax.nn.dot_product_attention`) without
+context parallelism on the same mesh. Tolerance: 1e-5 relative (max |a − b| / max |b| per array), for summation
+order only (observed ≤ 1e-6).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import assert_close, requires_devices
+from models import qwen3
+from models.context_parallel import (balanced_order, context_attention, key_tiles_per_device, tile_rows,
+                                     to_held_order, to_sequence_order)
+from models.qwen3_config import RuntimeConfig, load_config
+from models.sharding import MESH_AXES
+from train.config import MeshConfig, RunConfig
+from relaymoe_jax.compiler import compiled_bytes
+from train.compile import compile_step
+from train.loop import run
+from train.mesh import build_mesh, run_mesh
+
+RTOL = 1e-5
+F32 = RuntimeConfig(dtype="float32", loss_chunk_tokens=4)  # several loss chunks per device
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+  requires_devices(8)
+
+
+def test_device_i_holds_chunks_i_and_its_mirror():
+  assert balanced_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+  x = jnp.arange(2 * 48 * 3).reshape(2, 48, 3)
+  held = to_held_order(x, 3)
+  assert (held == x[:, balanced_order(48, 3)]).all() and (to_sequence_order(held, 3) == x).all()
+
+
+@pytest.mark.parametrize("seq_len, ring, tile", [(64, 4, 4), (48, 3, 2), (4096, 8, 128), (16, 8, 1)])
+def test_every_device_does_the_same_attention_work(seq_len, ring, tile):
+  """Counted as the kernel counts its (query tile, key tile) pairs; together they are exactly the causal ones."""
+  work = key_tiles_per_device(seq_len, ring, tile)
+  tiles = seq_len // tile
+  assert len(set(work)) == 1, work
+  assert sum(work) == tiles * (tiles + 1) // 2
+
+
+def test_tiles_divide_the_chunk():
+  assert tile_rows(2048) == 512 and tile_rows(96, 64) == 48 and tile_rows(7) == 7
+
+
+def _mesh(data, expert, tensor=1):
+  return jax.make_mesh((data, expert, tensor), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:data * expert * tensor])
+
+
+@pytest.mark.parametrize("shape, query_heads, kv_heads, tile", [
+    ((1, 2, 1), 4, 2, 4), ((2, 4, 1), 4, 2, 2), ((1, 8, 1), 2, 2, 4), ((1, 4, 2), 4, 2, 8)])
+def test_attention_over_the_shards_is_causal_attention(shape, query_heads, kv_heads, tile):
+  """Outputs and the gradients of q, k and v (GQA, heads over 'tensor' in the last case)."""
+  mesh = _mesh(*shape)
+  b, s, z = 2 * shape[0], 64, 8
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(b, s, h, z)), jnp.float32)
+                 for h in (query_heads, kv_heads, kv_heads, query_heads))
+  order = balanced_order(s, shape[1])
+
+  def sharded(q, k, v):
+    return context_attention(q[:, order], k[:, order], v[:, order], mesh=mesh, scale=z ** -0.5,
+                             tile=tile)[:, np.argsort(order)]
+
+  def whole(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, scale=z ** -0.5, is_causal=True)
+
+  (out, grads), (ref_out, ref_grads) = [_value_and_vjp(f, (q, k, v), do) for f in (sharded, whole)]
+  assert_close(out, ref_out, RTOL, "out")
+  for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+    assert_close(g, r, RTOL, name)
+
+
+def _value_and_vjp(f, args, cotangent):
+  out, vjp = jax.vjp(jax.jit(f), *args)
+  return out, vjp(cotangent)
+
+
+def _loss_logits_grads(config, runtime, mesh, tokens, params):
+  graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
+  nnx.replace_by_pure_dict(state, params)
+
+  def loss(p):
+    ce_BS, aux = nnx.merge(graphdef, p).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
+    return ce_BS.mean() + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["router_z_loss"], ce_BS
+
+  (value, ce_BS), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+  logits = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens[:, :-1]))(state)
+  return value, ce_BS, logits, nnx.to_pure_dict(grads)
+
+
+CASES = {  # dispatcher, mesh, runtime changes, architecture changes
+    "ring_expert-2x4": ("ring_expert", MeshConfig(data=2, expert=4), {}, {}),
+    "all_to_all-1x8": ("all_to_all", MeshConfig(data=1, expert=8), {}, {}),
+    "ring_token-etp-2x2x2": ("ring_token", MeshConfig(data=2, expert=2, tensor=2), dict(moe_tensor_parallel=True),
+                             {}),
+    "ring_expert-unscanned-remat-4x2": ("ring_expert", MeshConfig(data=4, expert=2),
+                                        dict(scan_layers=False, remat=("layer", "attention")), {}),
+    "ring_expert-remat-qwen2-1x8": ("ring_expert", MeshConfig(data=1, expert=8), dict(remat="layer"),
+                                    dict(attention_bias=True, qk_norm=False, shared_expert_intermediate_size=32)),
+    "ring_token-2x4": ("ring_token", MeshConfig(data=2, expert=4), dict(remat="attention"), {}),
+    "all_to_all-fsdp-2x4": ("all_to_all", MeshConfig(data=2, expert=4), dict(fsdp=True), {}),
+}
+DEFAULT_CASES = ("ring_expert-2x4", "ring_token-etp-2x2x2")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT_CASES else pytest.mark.slow)
+                                  for c in CASES])
+def test_the_model_with_context_parallelism_computes_what_it_does_without(case):
+  """Loss (chunked cross-entropy and router losses), per-token cross-entropy, logits and every gradient."""
+  dispatcher, mesh_config, runtime_changes, arch_changes = CASES[case]
+  mesh = build_mesh(mesh_config)
+  config = load_config("tiny", **arch_changes)
+  runtime = dataclasses.replace(F32, dispatcher=dispatcher, **runtime_changes)
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  ref = _loss_logits_grads(config, runtime, mesh, tokens, params)
+  got = _loss_logits_grads(config, dataclasses.replace(runtime, context_parallel=True), mesh, tokens, params)
+  for name, g, r in zip(("loss", "ce_BS", "logits"), got[:3], ref[:3]):
+    assert_close(g, r, RTOL, name)
+  flat, ref_flat = jax.tree_util.tree_leaves_with_path(got[3]), jax.tree.leaves(ref[3])
+  assert len(flat) == len(ref_flat)
+  for (path, g), r in zip(flat, ref_flat):
+    assert_close(g, r, RTOL, jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_plain_loss_over_full_logits_is_the_same_under_context_parallelism():
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  config = load_config("tiny")
+  runtime = dataclasses.replace(F32, loss_chunk_tokens=0)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (8, 17)), jnp.int32)
+  model = qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)
+  graphdef, state = nnx.split(model)
+  cp_graphdef, _ = nnx.split(qwen3.create_sharded(config, mesh, seed=0,
+                                                  runtime=dataclasses.replace(runtime, context_parallel=True)))
+  ce = [jax.jit(lambda s, g=g: nnx.merge(g, s).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])[0])(state)
+        for g in (cp_graphdef, graphdef)]
+  assert_close(ce[0], ce[1], RTOL, "ce_BS")
+  assert_close(ce[1], optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]), RTOL)
+
+
+def _cp_run(tmp_path, name, context_parallel, **changes):
+  runtime = dataclasses.replace(F32, context_parallel=context_parallel)
+  return dataclasses.replace(RunConfig(model="tiny", runtime=runtime, mesh=MeshConfig(data=2, expert=4), batch_size=8,
+                                       seq_len=32, steps=4, log_every=1, checkpoint_every=0,
+                                       out_dir=str(tmp_path / name), tensorboard=False), **changes)
+
+
+def test_training_with_context_parallelism_follows_the_same_losses(tmp_path):
+  with_cp, reference = run(_cp_run(tmp_path, "cp", True)), run(_cp_run(tmp_path, "ref", False))
+  assert [r["step"] for r in with_cp] == [0, 1, 2, 3]
+  for a, b in zip(with_cp, reference):
+    assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_without_context_parallelism_resumes_with_it(tmp_path):
+  """The parameters live where they do without context parallelism: the resumed run continues the losses of a run
+  that never switched."""
+  straight = run(_cp_run(tmp_path, "straight", False))
+  switched = _cp_run(tmp_path, "switched", False, checkpoint_every=2, steps=2)
+  run(switched)
+  resumed = run(dataclasses.replace(switched, steps=4, runtime=dataclasses.replace(F32, context_parallel=True)),
+                resume=True)
+  assert [r["step"] for r in resumed] == [2, 3]
+  for a, b in zip(resumed, straight[2:]):
+    assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+
+
+def test_context_parallelism_over_one_expert_device_compiles_the_same_step(tmp_path):
+  """Nothing is split over a ring of one: the step's FLOPs, bytes moved and memory are those without it."""
+  steps = [compile_step(_cp_run(tmp_path, "one", cp, mesh=MeshConfig(data=8, expert=1))).compiled
+           for cp in (True, False)]
+  costs = [{k: c.cost_analysis()[k] for k in ("flops", "bytes accessed")} for c in steps]
+  memory = [compiled_bytes(c) for c in steps]
+  assert costs[0] == costs[1] and memory[0] == memory[1]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(seq_len=20), r"seq_len=20 is not a multiple of 8"),
+    (dict(batch_size=3), r"batch_size=3 does not split over the mesh's 2 shards of rows \(data=2\)"),
+])
+def test_a_sequence_or_batch_that_does_not_split_is_named(tmp_path, changes, message):
+  with pytest.raises(ValueError, match=message):
+    run_mesh(_cp_run(tmp_path, "bad", True, **changes))
+
+
+def test_the_model_names_a_sequence_that_does_not_split():
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  config = load_config("tiny")
+  model = qwen3.create_sharded(config, mesh, runtime=dataclasses.replace(F32, context_parallel=True))
+  with pytest.raises(ValueError, match="seq_len=12 is not a multiple of 8"):
+    model(jnp.zeros((2, 12), jnp.int32))
