@@ -7,12 +7,17 @@ this module (a step is the same whatever the budget, run directory or logging).
 """
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import threading
+import types
 
+import jax
 import pytest
 
+from relaymoe_jax import mosaic_gpu
 from train import cli, loop, plan as planning
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
@@ -256,6 +261,42 @@ def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_pa
   assert cf1["plan"]["fits"] and cf1["plan"]["remat"] == ["none", "none"] and not cf1["plan"]["keep_gate_up"]
   table = capsys.readouterr().out
   assert "| ring | ring_expert | 8 | 128 | 2 × none, ring keeps gate/up |" in table and "| a2a_cf1 | all_to_all | 8 | 128 |" in table
+
+
+class _JaxWithSMs(types.ModuleType):
+  """`jax` as the Mosaic weight-gradient kernel sees it: devices that report an H200's SMs (CPU devices report none)."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def devices(self, *args, **kwargs):
+    return [mosaic_gpu._WithCores(d, 132) for d in jax.devices(*args, **kwargs)]
+
+
+def lowered_for_gpus(run_config):
+  """The train step as `compile_step` lowers it, but for CUDA (Mosaic GPU kernels included), without locations."""
+  return train_compile.trace_step(run_config)[0].lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+
+
+def mosaic_kernels(lowered):
+  return re.findall(r'kernel_hash = "(.*?)", module', lowered)
+
+
+@pytest.mark.slow
+def test_the_step_lowers_for_gpus_alike_after_other_policies_and_afresh(monkeypatch):
+  """The persistent compilation cache's key leaves out the program's locations, but not those its Mosaic GPU
+  kernels embed. The planner compiles the chosen step after other policies, whose traces JAX keeps; a rerun
+  compiles it afresh (reading the stored plan): unless both lower alike, the rerun compiles again on GPUs."""
+  monkeypatch.setattr(mosaic_gpu.transposed_ragged_dot_mgpu, "jax", _JaxWithSMs("jax"))
+  gpu = load_run_config("cpu", [*OVERRIDES, "runtime.dtype=bfloat16",
+                                "runtime.dispatcher_options={backend: mosaic_gpu}"])
+  jax.clear_caches()
+  lowered_for_gpus(planning.with_remat(gpu, "none"))
+  after_none = lowered_for_gpus(planning.with_remat(gpu, "layer"))
+  jax.clear_caches()  # as in a new process
+  afresh = lowered_for_gpus(planning.with_remat(gpu, "layer"))
+  assert mosaic_kernels(after_none) and mosaic_kernels(afresh) == mosaic_kernels(after_none)
+  assert hashlib.sha256(afresh.encode()).digest() == hashlib.sha256(after_none.encode()).digest()
 
 
 def test_plan_needs_a_memory_limit_on_cpu():

@@ -21,6 +21,12 @@ from train.metrics import log_on_process_0, size
 from train.sources import model_config_for
 from train.step import TrainState, make_optimizer, make_train_step
 
+# Locations name an operation's own line, not the stack of the trace that made it: JAX reuses traces it cached, so
+# that stack can be another remat policy's compiled before in the process (the planner's). Mosaic GPU kernels embed
+# their locations in the program, where the persistent compilation cache's key keeps them: a rerun, compiling only
+# the planned step, missed the cache on GPUs.
+jax.config.update("jax_include_full_tracebacks_in_locations", False)
+
 
 def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh):
   return jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
@@ -59,6 +65,15 @@ class CompiledStep(NamedTuple):
 def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
   """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
   --topology`): nothing runs."""
+  traced, graphdef, state, mesh, model_config = trace_step(run_config, devices)
+  start = time.perf_counter()
+  compiled = traced.lower().compile()
+  return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,
+                      time.perf_counter() - start)
+
+
+def trace_step(run_config: RunConfig, devices=None):
+  """(the train step traced from shapes alone, graphdef, abstract state, mesh, model config)."""
   mesh = run_mesh(run_config, devices)
   model_config = model_config_for(run_config)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
@@ -67,10 +82,7 @@ def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
                            mesh)
   batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
                                sharding=NamedSharding(mesh, batch_spec(run_config.runtime)))
-  start = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
-  return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,
-                      time.perf_counter() - start)
+  return step_fn.trace(state, batch), graphdef, state, mesh, model_config
 
 
 def memory_plan(run_config: RunConfig, step: CompiledStep | None = None, devices=None):
