@@ -8,10 +8,12 @@ does not care where a token sits, so the MoE layer, norms and the chunked loss r
 tokens.
 
 Attention (`context_attention`). Each device all-gathers K and V over 'expert' (Qwen3's grouped-query K/V is 2 KiB
-a token in bfloat16), puts them in sequence order and attends its queries to their causal prefix tile by tile with
-an online softmax: a (query tile, key tile) pair past the prefix is never computed. Backward gathers K and V again
-(only this device's part is kept), recomputes each tile from the saved row logsumexp, and sends dK and dV home
-with one reduce-scatter. Heads stay split over 'tensor' and batch rows over 'data'.
+a token in bfloat16) and attends its queries to their causal prefix tile by tile with an online softmax: a (query
+tile, key tile) pair past the prefix is never computed. Backward gathers K and V again (only this device's part is
+kept), recomputes each tile from the saved row logsumexp, and sends dK and dV home with a reduce-scatter each. The
+gathered rows stay in the devices' order (a key tile is found by arithmetic), so neither the gather nor the
+reduce-scatter copies a full-sequence array to reorder it. Heads stay split over 'tensor' where the K/V heads divide
+over it (else every tensor device computes all heads) and batch rows over 'data'.
 
 Shape letters: see `relaymoe_jax`; C the tokens of one chunk, A and W the rows of a query and a key tile.
 """
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 
 DEFAULT_TILE = 512  # rows of a query or key tile: a tile's float32 scores are heads × 512 × 512 × 4 bytes
+MIN_TILE = 64  # below this a long sequence's tile loop is all overhead
 
 
 def splits_sequences(runtime, mesh):
@@ -35,10 +38,15 @@ def splits_sequences(runtime, mesh):
 
 
 def check_sequence(seq_len, ring):
-  """Raises ValueError unless `seq_len` splits into 2 × `ring` equal chunks."""
+  """Raises ValueError unless `seq_len` splits into 2 × `ring` equal chunks whose tiles are not tiny."""
   if seq_len % (2 * ring):
     raise ValueError(f"context parallelism over {EXPERT}={ring} cuts each sequence into {2 * ring} chunks: "
                      f"seq_len={seq_len} is not a multiple of {2 * ring}")
+  chunk = seq_len // (2 * ring)
+  if tile_rows(chunk) < min(chunk, MIN_TILE):
+    raise ValueError(f"context parallelism over {EXPERT}={ring}: seq_len={seq_len} gives chunks of {chunk} tokens, "
+                     f"whose attention tiles would be {tile_rows(chunk)} rows; use a multiple of "
+                     f"{2 * ring * MIN_TILE}")
 
 
 def balanced_order(seq_len, ring):
@@ -126,18 +134,26 @@ def _query_positions(rows, ring):
   return jnp.concatenate([i * c + local, (2 * ring - 1 - i) * c + local])
 
 
-def _gather_in_order(x_BSJZ, ring):
-  """Every device's rows of x, all-gathered over 'expert' and put in sequence order: [B, 2N·C, J, Z]."""
-  b, rows, j, z = x_BSJZ.shape
-  held = jnp.moveaxis(jax.lax.all_gather(x_BSJZ, EXPERT), 0, 1).reshape(b, ring * rows, j, z)
-  return to_sequence_order(held, ring)
+def _gather(x_BSJZ):
+  """Every device's rows of x, all-gathered over 'expert' in the order the devices hold them: [B, 2N·C, J, Z]."""
+  return jax.lax.all_gather(x_BSJZ, EXPERT, axis=1, tiled=True)
 
 
-def _scatter_home(x_BSJZ, ring):
-  """The inverse of `_gather_in_order` for gradients: each device gets the sum over devices of its own rows."""
-  b, seq, j, z = x_BSJZ.shape
-  per_device = jnp.moveaxis(to_held_order(x_BSJZ, ring).reshape(b, ring, seq // ring, j, z), 1, 0)
-  return jax.lax.psum_scatter(per_device, EXPERT, scatter_dimension=0)
+def _scatter_home(x_BSJZ):
+  """The inverse of `_gather` for gradients: each device gets the sum over devices of its own rows."""
+  return jax.lax.psum_scatter(x_BSJZ, EXPERT, scatter_dimension=1, tiled=True)
+
+
+def _key_rows(x_BSJZ, w, tile, ring):
+  """Key tile w (sequence positions w·tile onwards) of the gathered rows, which are in the devices' order: chunk
+  m < N is device m's first, chunk m ≥ N device 2N−1−m's second (tiles never straddle chunks)."""
+  return jax.lax.dynamic_slice_in_dim(x_BSJZ, _held_offset(w, tile, x_BSJZ.shape[1] // (2 * ring), ring), tile,
+                                      axis=1)
+
+
+def _held_offset(w, tile, chunk, ring):
+  m, offset = jnp.divmod(w * tile, chunk)
+  return jnp.where(m < ring, 2 * chunk * m, 2 * chunk * (2 * ring - 1 - m) + chunk) + offset
 
 
 def _grouped(q_AQZ, kv_heads):
@@ -159,7 +175,7 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile):
   """(out, residuals); the loops read and write the arrays in place, tile by tile, so nothing is held twice."""
   b, rows, _, z = q_BSQZ.shape
   j = k_BSJZ.shape[2]
-  k_all, v_all = _gather_in_order(k_BSJZ, ring), _gather_in_order(v_BSJZ, ring)
+  k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
   q_pos = _query_positions(rows, ring)
   q_BSJGZ = _grouped(q_BSQZ, j)
 
@@ -169,7 +185,7 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile):
 
     def one_key_tile(w, carry):
       acc, m, l = carry
-      k_BWJZ, v_BWJZ = _rows(k_all, w, tile), _rows(v_all, w, tile)
+      k_BWJZ, v_BWJZ = _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring)
       s = _scores(q_BAJGZ, k_BWJZ, pos_A, w * tile + jnp.arange(tile), scale)
       m_new = jnp.maximum(m, s.max(-1))  # finite from the first tile on: every row sees key 0
       p = jnp.exp(s - m_new[..., None])
@@ -200,7 +216,7 @@ def _backward_rule(ring, scale, tile, residuals, do_BSQZ):
   go home in one reduce-scatter."""
   q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BSJG = residuals
   rows, j = q_BSQZ.shape[1], k_BSJZ.shape[2]
-  k_all, v_all = _gather_in_order(k_BSJZ, ring), _gather_in_order(v_BSJZ, ring)
+  k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
   q_pos = _query_positions(rows, ring)
   q_BSJGZ, do_BSJGZ = _grouped(q_BSQZ, j), _grouped(do_BSQZ, j)
   delta_BSJG = jnp.einsum("bsjgz,bsjgz->bsjg", do_BSJGZ, _grouped(o_BSQZ, j), preferred_element_type=jnp.float32)
@@ -213,14 +229,15 @@ def _backward_rule(ring, scale, tile, residuals, do_BSQZ):
 
     def one_key_tile(w, carry):
       dq, (dk_all, dv_all) = carry
-      k_BWJZ, v_BWJZ = _rows(k_all, w, tile), _rows(v_all, w, tile)
+      k_BWJZ, v_BWJZ = _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring)
       p = jnp.exp(_scores(q_BAJGZ, k_BWJZ, pos_A, w * tile + jnp.arange(tile), scale) - lse_BJGA[..., None])
       dv = jnp.einsum("bjgaw,bajgz->bwjz", p.astype(do_BAJGZ.dtype), do_BAJGZ, **f32)
       dp = jnp.einsum("bajgz,bwjz->bjgaw", do_BAJGZ, v_BWJZ, **f32)
       ds = (p * (dp - delta_BJGA[..., None]) * scale).astype(q_BAJGZ.dtype)
       dq = dq + jnp.einsum("bjgaw,bwjz->bajgz", ds, k_BWJZ, **f32)
       dk = jnp.einsum("bjgaw,bajgz->bwjz", ds, q_BAJGZ, **f32)
-      return dq, (_add_rows(dk_all, dk, w), _add_rows(dv_all, dv, w))
+      add = functools.partial(_add_key_rows, w=w, ring=ring)
+      return dq, (add(dk_all, dk), add(dv_all, dv))
 
     dq, grads_kv = jax.lax.fori_loop(0, _key_tile_count(pos_A, tile), one_key_tile,
                                      (jnp.zeros(q_BAJGZ.shape, jnp.float32), grads_kv))
@@ -229,7 +246,7 @@ def _backward_rule(ring, scale, tile, residuals, do_BSQZ):
   zeros = jnp.zeros(k_all.shape, jnp.float32)
   dq_BSJGZ, (dk_all, dv_all) = jax.lax.fori_loop(0, rows // tile, one_query_tile,
                                                  (jnp.zeros_like(q_BSJGZ), (zeros, zeros)))
-  dk, dv = (_scatter_home(x, ring) for x in (dk_all, dv_all))
+  dk, dv = _scatter_home(dk_all), _scatter_home(dv_all)
   return dq_BSJGZ.reshape(q_BSQZ.shape), dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype)
 
 
@@ -242,8 +259,11 @@ def _put_rows(x, rows, t):
   return jax.lax.dynamic_update_slice_in_dim(x, rows, t * rows.shape[1], axis=1)
 
 
-def _add_rows(x_BSJZ, rows_BWJZ, w):
-  return _put_rows(x_BSJZ, _rows(x_BSJZ, w, rows_BWJZ.shape[1]) + rows_BWJZ, w)
+def _add_key_rows(x_BSJZ, rows_BWJZ, w, ring):
+  tile = rows_BWJZ.shape[1]
+  start = _held_offset(w, tile, x_BSJZ.shape[1] // (2 * ring), ring)
+  return jax.lax.dynamic_update_slice_in_dim(
+      x_BSJZ, jax.lax.dynamic_slice_in_dim(x_BSJZ, start, tile, axis=1) + rows_BWJZ, start, axis=1)
 
 
 _attention.defvjp(_forward_rule, _backward_rule)

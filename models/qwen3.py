@@ -108,6 +108,9 @@ class Attention(_Layer):
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
     self.mesh = mesh
+    if splits_sequences(runtime, mesh) and runtime.attention_implementation == "cudnn":
+      raise ValueError("attention_implementation='cudnn' cannot attend across a split sequence (cuDNN takes no "
+                       "offset causal mask): context_parallel attends with its own tiled kernel; use auto or xla")
     self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
         "kv_DG", (d, hkv))
     self.o_HD = param("o_HD", (hq, d))

@@ -102,9 +102,6 @@ class RuntimeConfig:
       raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: full logits)")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
       raise ValueError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
-    if self.context_parallel and self.attention_implementation == "cudnn":
-      raise ValueError("attention_implementation='cudnn' cannot attend across a split sequence (cuDNN takes no "
-                       "offset causal mask): context_parallel attends with its own tiled kernel; use auto or xla")
 
   def remat_of(self, layer):
     return self.remat if isinstance(self.remat, str) else self.remat[layer]

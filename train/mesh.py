@@ -5,7 +5,7 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from models.context_parallel import check_sequence
+from models.context_parallel import check_sequence, splits_sequences
 from models.sharding import MESH_AXES, TOKEN_AXES, batch_axes, batch_shards, batch_spec
 from relaymoe_jax.axes import EXPERT
 
@@ -42,7 +42,7 @@ def run_mesh(run_config, devices=None):
     raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} shards of rows "
                      f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
                      f"{shards}")
-  if runtime.context_parallel:
+  if splits_sequences(runtime, mesh):
     check_sequence(run_config.seq_len, mesh.shape[EXPERT])
   return mesh
 
