@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -206,6 +207,26 @@ def test_resume_skips_unreadable_checkpoints_and_keeps_them(tmp_path, capfd):
   with pytest.raises(CheckpointUnreadable, match="no checkpoint in .* restores: step 5: .*; step 4: "):
     run(config, resume=True)
   assert steps_in(out / "checkpoints") == [4, 5]
+
+
+def test_the_cli_run_in_process_leaves_the_tests_without_a_persistent_compilation_cache(tmp_path, capsys,
+                                                                                          monkeypatch):
+  """The CLI turns JAX's persistent cache on before failing here; what compiles after it must not be stored (XLA:CPU
+  programs read back from that cache aborted the suite: conftest keeps it off in the test process)."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  cache = tmp_path / "cache"
+  min_compile_s = jax.config.jax_persistent_cache_min_compile_time_secs
+  try:
+    with pytest.raises(SystemExit):
+      main(["--config", "cpu", f"compilation_cache_dir={cache}", "--out", str(tmp_path / "run"), "--resume"])
+    assert "--resume: no checkpoint in" in capsys.readouterr().err
+    assert jax.config.jax_compilation_cache_dir == str(cache)  # what the CLI does: the cache would be on
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # store whatever compiles
+    jax.jit(lambda x: x * 3.25 + 1.0)(np.ones(7, np.float32)).block_until_ready()
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
+    jax.config.update("jax_compilation_cache_dir", None)
+  assert not cache.exists() or not any(cache.iterdir()), sorted(cache.iterdir())
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
