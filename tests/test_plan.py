@@ -84,6 +84,7 @@ def test_recomputing_more_needs_less(uniform):
   assert uniform["layer"] <= uniform["attention"] < uniform["none"], uniform
 
 
+@pytest.mark.slow  # compiles a mixed plan of its own (~17 s on 2 cores); CI's second step runs it
 def test_a_budget_between_the_policies_gets_a_mixed_plan_that_fits(uniform):
   budget = between(uniform, 0.6)
   plan = planner_with(budget).plan()

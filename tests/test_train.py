@@ -107,6 +107,7 @@ def test_loss_falls_toward_the_entropy_floor(tmp_path):
   assert [r["step"] for r in logged] == [9, 19, 29, 39, 49]
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_throughput_is_timed_to_each_logged_steps_end(tmp_path, monkeypatch):
   """A step whose dispatch returns only as it finishes (as on GPU, where a step's data-dependent loops are driven
   from the host): each logged window is timed from the end of the last logged step to the end of its own, not
@@ -151,6 +152,7 @@ def test_resume_continues_exactly(tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
   """Another layout is an error from the newest checkpoint's metadata, never a fall back to an older one."""
   unstacked = dataclasses.replace(F32, scan_layers=False)
@@ -165,6 +167,7 @@ def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
   checkpoints.close()
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   run(tiny_run(tmp_path, steps=2, checkpoint_every=1))
   diverging = tiny_run(tmp_path, steps=4, checkpoint_every=1,
@@ -249,7 +252,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("extra", [pytest.param([], id="rows"), pytest.param(
+@pytest.mark.parametrize("extra", [pytest.param([], id="rows", marks=pytest.mark.slow), pytest.param(
     ["runtime.context_parallel=true", "mesh.data=1", "mesh.expert=8"], id="context-parallel",
     marks=pytest.mark.slow)])
 def test_two_processes_on_cpu_match_one(tmp_path, extra):
@@ -273,6 +276,7 @@ def test_two_processes_on_cpu_match_one(tmp_path, extra):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_cli_keeps_the_compiled_step_in_its_compilation_cache(tmp_path):
   cache = tmp_path / "xla-cache"
   cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--steps", "1", "batch_size=8", "seq_len=16",
@@ -283,6 +287,7 @@ def test_cli_keeps_the_compiled_step_in_its_compilation_cache(tmp_path):
   assert any(p.name.startswith("jit_train_step") for p in cache.iterdir()), sorted(cache.iterdir())
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
   """orbax writes a step into a temporary folder and renames it when complete; a crash leaves only that folder."""
   config = tiny_run(tmp_path, steps=3)
@@ -323,6 +328,7 @@ def test_memory_plan_sees_the_real_training_state_from_shapes_alone():
   assert plan["layers"] == 2 and plan["device_limit_bytes"] is None  # CPU devices report no limit
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_cli_compile_only_reports_the_plan_and_trains_nothing(tmp_path):
   cmd = [sys.executable, "-m", "train.cli", "--config", "cpu", "--compile-only", "model.num_hidden_layers=3",
          f"out_dir={tmp_path / 'run'}", "compilation_cache_dir=''"]
@@ -340,6 +346,7 @@ def test_cli_takes_overrides_before_and_after_options():
   assert args.overrides == ["model.num_hidden_layers=4", "steps=2"] and args.out == "d" and args.compile_only
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_a_checkpoint_with_the_shared_experts_old_parameter_names_resumes(tmp_path):
   """Checkpoints written before the shape letters were unified name the shared expert's weights `shared_*_DS` and
   `shared_down_SD`: they restore, value for value, under the new names, and a run resumes from them."""

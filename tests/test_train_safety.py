@@ -98,6 +98,7 @@ def test_a_batch_that_does_not_split_over_the_token_shards_is_named(tmp_path):
     run_mesh(tiny_run(tmp_path, batch_size=6))
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_a_fresh_run_into_an_earlier_run_is_refused_unless_overwritten(tmp_path):
   config = tiny_run(tmp_path, steps=1, checkpoint_every=1)
   out = tmp_path / "run"
@@ -186,6 +187,7 @@ def _corrupt(checkpoint):
     path.write_bytes(path.read_bytes()[:10])
 
 
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_resume_skips_unreadable_checkpoints_and_keeps_them(tmp_path, capfd):
   config = tiny_run(tmp_path, steps=4, checkpoint_every=2)
   out = tmp_path / "run"
