@@ -114,7 +114,7 @@ CASES = {  # dispatcher, mesh, runtime changes, architecture changes
     "ring_token-2x4": ("ring_token", MeshConfig(data=2, expert=4), dict(remat="attention"), {}),
     "all_to_all-fsdp-2x4": ("all_to_all", MeshConfig(data=2, expert=4), dict(fsdp=True), {}),
 }
-DEFAULT_CASES = ("ring_expert-2x4", "ring_token-etp-2x2x2")
+DEFAULT_CASES = ("ring_expert-2x4",)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT_CASES else pytest.mark.slow)
@@ -182,6 +182,7 @@ def test_a_checkpoint_saved_without_context_parallelism_resumes_with_it(tmp_path
     assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_context_parallelism_over_one_expert_device_compiles_the_same_step(tmp_path):
   """Nothing is split over a ring of one: the step's FLOPs, bytes moved and memory are those without it."""
   steps = [compile_step(_cp_run(tmp_path, "one", cp, mesh=MeshConfig(data=8, expert=1))).compiled

@@ -115,6 +115,7 @@ def _model_loss(config, runtime, mesh, tokens):
   return loss
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup):
   """Full logits with nothing recomputed against chunks of 24 tokens per device (a tail chunk) with the whole layer
   recomputed in layer 0 and its input offloaded in layer 1. (Policies inside scanned stretches: test_model.)"""

@@ -75,8 +75,7 @@ VARIANTS = {  # (architecture changes, runtime changes, mesh)
 }
 
 
-DEFAULT_PAIRS = [("ring_expert", "qwen3"), ("ring_expert", "qwen2"), ("ring_expert", "qwen3-etp"),
-                 ("ring_expert", "qwen3-fsdp"), ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
+DEFAULT_PAIRS = [("ring_expert", "qwen3-fsdp"), ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
 MODEL_PAIRS = [pytest.param(d, v, marks=() if (d, v) in DEFAULT_PAIRS else pytest.mark.slow)
                for d in ("ring_expert", "ring_token", "all_to_all") for v in sorted(VARIANTS)]
 
@@ -143,6 +142,7 @@ def test_stacked_parameters_keep_their_sharding_behind_the_layer_axis(mesh):
   assert _spec(fsdp.mlp.w_gate_EDF) == (None, "expert", None, None)
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   """The same parameters, stacked: the same loss and, stacked, the same gradients (float32), over stretches of
   MoE and dense layers under every remat policy. (The dispatchers inside a scan: the tests above, whose tiny model is one

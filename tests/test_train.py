@@ -94,6 +94,7 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
                                err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_loss_falls_toward_the_entropy_floor(tmp_path):
   history = run(tiny_run(tmp_path, steps=50, log_every=10, checkpoint_every=50, batch_size=16, seq_len=32))
   first, last = history[0]["loss"], history[-1]["loss"]
@@ -303,6 +304,7 @@ def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_latest(tmp_pa
   assert [r["step"] for r in resumed] == [3]
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_memory_plan_sees_the_real_training_state_from_shapes_alone():
   """The abstract state has the real one's shapes, dtypes and shardings (FSDP, stacked layers, Adam moments); the
   plan's state bytes per device are the real state's bytes on one device."""

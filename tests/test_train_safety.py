@@ -257,6 +257,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     main([*common, "steps=abc", "--debug"])
 
 
+@pytest.mark.slow  # compiles a step of its own (~10-15 s on 2 cores); CI's second step runs it
 def test_a_non_finite_loss_before_any_checkpoint_says_there_is_none(tmp_path):
   diverging = tiny_run(tmp_path, steps=1, checkpoint_every=1,
                        optim=dataclasses.replace(RunConfig().optim, learning_rate=float("inf")))
