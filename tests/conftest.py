@@ -24,7 +24,7 @@ import relaymoe_jax.testing as rmt  # noqa: E402
 # No persistent compilation cache in the test process, even after a test ran the trainer's CLI in-process (which
 # turns it on): JAX gives every ppermute channel id 1, and a program XLA:CPU read back from that cache ran two of its
 # collective-permutes at once, so one rendezvous got 5 of 4 participants and XLA aborted the process ("Check failed:
-# id < num_threads"), in CI among other places. Tests that run the CLI in a subprocess still use the cache.
+# id < num_threads"; reproduced with the oracle test, where CI's runs aborted). CLI tests in a subprocess still use it.
 jax.config.update("jax_enable_compilation_cache", False)
 
 random_layer = rmt.random_moe_inputs
