@@ -8,10 +8,12 @@ does not care where a token sits, so the MoE layer, norms and the chunked loss r
 tokens.
 
 Attention (`context_attention`). Each device all-gathers K and V over 'expert' (Qwen3's grouped-query K/V is 2 KiB
-a token in bfloat16) and attends its queries to their causal prefix tile by tile with an online softmax: a (query
-tile, key tile) pair past the prefix is never computed. Backward gathers K and V again (only this device's part is
-kept), recomputes each tile from the saved row logsumexp, and sends dK and dV home with a reduce-scatter each. The
-gathered rows stay in the devices' order (a key tile is found by arithmetic), so neither the gather nor the
+a token in bfloat16) and attends each query tile to its causal prefix pair by pair: first the diagonal pair from its
+own keys (masked causally), then the key tiles before it, the pairs' outputs merged by their row logsumexp; a pair
+past the prefix is never computed. Backward gathers K and V again (only this device's part is kept), runs each
+pair's flash-attention backward from the row's saved output and logsumexp, and sends dK and dV home with a
+reduce-scatter each. A pair is attended by `TileKernels`: XLA's here (`XLA_TILES`), cuDNN's in `cudnn_attention`.
+The gathered rows stay in the devices' order (a key tile is found by arithmetic), so neither the gather nor the
 reduce-scatter copies a full-sequence array to reorder it. Heads stay split over 'tensor' where the K/V heads divide
 over it (else every tensor device computes all heads) and batch rows over 'data'.
 
@@ -19,6 +21,7 @@ Shape letters: see `relaymoe_jax`; C the tokens of one chunk, A and W the rows o
 """
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +79,7 @@ def key_tiles_per_device(seq_len, ring, tile):
   """How many (query tile, key tile) pairs each device computes, counted as the kernel counts them: its causal
   attention work (`tile` divides the chunk length)."""
   order = balanced_order(seq_len, ring).reshape(ring, -1)
-  return [sum(int(_key_tile_count(rows[t:t + tile], tile)) for t in range(0, rows.size, tile)) for rows in order]
+  return [sum(int(rows[t] // tile + 1) for t in range(0, rows.size, tile)) for rows in order]  # a tile's start decides
 
 
 def tile_rows(chunk, target=DEFAULT_TILE):
@@ -98,7 +101,7 @@ def unflatten_tokens(x_TD, batch, seq_len, mesh):
   return x_TD.reshape(nd, ne, batch // nd, seq_len // ne, -1).swapaxes(1, 2).reshape(batch, seq_len, -1)
 
 
-def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, tile=DEFAULT_TILE):
+def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, kernels=None, tile=None):
   """Causal GQA attention of sequences laid out in `balanced_order` over the mesh's 'expert' axis.
 
   Args:
@@ -106,32 +109,87 @@ def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, tile=DEFAULT_TILE)
       ('data', 'expert', 'tensor' where the heads divide over it).
     mesh: the model's mesh ('data', 'expert', 'tensor').
     scale: the score scale (head_dim^-0.5).
-    tile: the most rows of a query or key tile (`tile_rows` of the chunk length is used).
+    kernels: the `TileKernels` that attend one (query tile, key tile) pair; `XLA_TILES` when None.
+    tile: the most rows of a query or key tile (`tile_rows` of the chunk length is used); the kernels' own
+      `tile` when None.
 
   Returns:
     [B, S, Q, Z] in q's dtype and layout; differentiable in q, k and v.
   """
+  kernels = kernels or XLA_TILES
   ring = mesh.shape[EXPERT]
   check_sequence(q_BSQZ.shape[1], ring)
   heads = TENSOR if k_BSJZ.shape[2] % mesh.shape[TENSOR] == 0 else None
   spec = P(DATA, EXPERT, heads, None)
   chunk = q_BSQZ.shape[1] // (2 * ring)
-  local = functools.partial(_attention, ring=ring, scale=scale, tile=tile_rows(chunk, tile))
+  local = functools.partial(_attention, ring=ring, scale=scale, tile=tile_rows(chunk, tile or kernels.tile),
+                            kernels=kernels)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
       q_BSQZ, k_BSJZ, v_BSJZ)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile):
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile)[0]
+class TileKernels(NamedTuple):
+  """Attention of one (query tile, key tile) pair, the unit the shard's loops are made of.
+
+  forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale) → (o_BAQZ, lse_BQA): the pair's softmax-normalised output
+    (any float dtype) and float32 row logsumexp; `causal` masks the diagonal pair (the two tiles start at the same
+    position), otherwise every key is seen.
+  backward(q, k, v, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale) → (dq, dk, dv): the flash-attention backward of
+    the pair given the output and logsumexp of the whole row (so the pairs' gradients add up to the row's).
+  """
+  name: str
+  forward: Callable
+  backward: Callable
+  tile: int  # the tile rows to aim for: small for XLA's score matrices, large for a fused kernel
 
 
-def _query_positions(rows, ring):
-  """Sequence positions of this device's rows (its two chunks)."""
-  c = rows // 2
-  i = jax.lax.axis_index(EXPERT)
-  local = jnp.arange(c, dtype=jnp.int32)
-  return jnp.concatenate([i * c + local, (2 * ring - 1 - i) * c + local])
+def _grouped(q_AQZ, kv_heads):
+  return q_AQZ.reshape(*q_AQZ.shape[:-2], kv_heads, q_AQZ.shape[-2] // kv_heads, q_AQZ.shape[-1])
+
+
+def _xla_scores(q_BAJGZ, k_BWJZ, causal, scale):
+  """Float32 scores [B, J, G, A, W]; on the diagonal pair a key after its query is −inf."""
+  s = jnp.einsum("bajgz,bwjz->bjgaw", q_BAJGZ, k_BWJZ, preferred_element_type=jnp.float32) * scale
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+  return s
+
+
+def _xla_forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale):
+  b, a, q_heads, z = q_BAQZ.shape
+  s = _xla_scores(_grouped(q_BAQZ, k_BWJZ.shape[2]), k_BWJZ, causal, scale)
+  m = s.max(-1)  # finite: every row sees at least its diagonal key
+  p = jnp.exp(s - m[..., None])
+  l = p.sum(-1)
+  o = jnp.einsum("bjgaw,bwjz->bajgz", p.astype(v_BWJZ.dtype), v_BWJZ, preferred_element_type=jnp.float32)
+  return (o / jnp.einsum("bjga->bajg", l)[..., None]).reshape(b, a, q_heads, z), (m + jnp.log(l)).reshape(
+      b, q_heads, a)
+
+
+def _xla_backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale):
+  j = k_BWJZ.shape[2]
+  q_BAJGZ, do_BAJGZ = _grouped(q_BAQZ, j), _grouped(do_BAQZ, j)
+  f32 = dict(preferred_element_type=jnp.float32)  # products in the inputs' dtype, sums in float32
+  p = jnp.exp(_xla_scores(q_BAJGZ, k_BWJZ, causal, scale) - _grouped_lse(lse_BQA, j)[..., None])
+  delta_BJGA = jnp.einsum("bajgz,bajgz->bjga", do_BAJGZ, _grouped(o_BAQZ, j), **f32)
+  dv = jnp.einsum("bjgaw,bajgz->bwjz", p.astype(do_BAJGZ.dtype), do_BAJGZ, **f32)
+  dp = jnp.einsum("bajgz,bwjz->bjgaw", do_BAJGZ, v_BWJZ, **f32)
+  ds = (p * (dp - delta_BJGA[..., None]) * scale).astype(q_BAQZ.dtype)
+  dq = jnp.einsum("bjgaw,bwjz->bajgz", ds, k_BWJZ, **f32).reshape(q_BAQZ.shape)
+  return dq, jnp.einsum("bjgaw,bajgz->bwjz", ds, q_BAJGZ, **f32), dv
+
+
+def _grouped_lse(lse_BQA, kv_heads):
+  b, q_heads, a = lse_BQA.shape
+  return lse_BQA.reshape(b, kv_heads, q_heads // kv_heads, a)
+
+
+XLA_TILES = TileKernels(name="xla", forward=_xla_forward, backward=_xla_backward, tile=DEFAULT_TILE)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
+  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels)[0]
 
 
 def _gather(x_BSJZ):
@@ -156,115 +214,93 @@ def _held_offset(w, tile, chunk, ring):
   return jnp.where(m < ring, 2 * chunk * m, 2 * chunk * (2 * ring - 1 - m) + chunk) + offset
 
 
-def _grouped(q_AQZ, kv_heads):
-  return q_AQZ.reshape(*q_AQZ.shape[:-2], kv_heads, q_AQZ.shape[-2] // kv_heads, q_AQZ.shape[-1])
+def _diagonal_tile(t, rows, tile, ring):
+  """The key tile at the position of this device's query tile t: the last one its causal prefix reaches."""
+  c = rows // 2
+  i = jax.lax.axis_index(EXPERT)
+  start = jnp.where(t * tile < c, i * c + t * tile, (2 * ring - 1 - i) * c + t * tile - c)
+  return start // tile
 
 
-def _scores(q_BAJGZ, k_BWJZ, q_pos, k_pos, scale):
-  """Masked float32 scores [B, J, G, A, W] of one tile pair; a masked score is −inf."""
-  s = jnp.einsum("bajgz,bwjz->bjgaw", q_BAJGZ, k_BWJZ, preferred_element_type=jnp.float32) * scale
-  return jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
-
-
-def _key_tile_count(q_pos_A, tile):
-  """Key tiles the query tile's causal prefix reaches (its last row's position decides)."""
-  return q_pos_A[-1] // tile + 1
-
-
-def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile):
-  """(out, residuals); the loops read and write the arrays in place, tile by tile, so nothing is held twice."""
-  b, rows, _, z = q_BSQZ.shape
-  j = k_BSJZ.shape[2]
+def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
+  """(out, residuals). Per query tile: the diagonal pair from this device's own keys (it needs no gather), then
+  the key tiles before it, merged by their row logsumexp; the loops write the arrays in place, tile by tile."""
+  rows = q_BSQZ.shape[1]
   k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
-  q_pos = _query_positions(rows, ring)
-  q_BSJGZ = _grouped(q_BSQZ, j)
+  attend = functools.partial(kernels.forward, scale=scale)
 
   def one_query_tile(t, outputs):
-    o_BSJGZ, lse_BSJG = outputs
-    q_BAJGZ, pos_A = _rows(q_BSJGZ, t, tile), _rows(q_pos, t, tile, axis=0)
+    o_BSQZ, lse_BQS = outputs
+    q_BAQZ = _rows(q_BSQZ, t, tile)
+    o, lse = attend(q_BAQZ, _rows(k_BSJZ, t, tile), _rows(v_BSJZ, t, tile), causal=True)
 
     def one_key_tile(w, carry):
-      acc, m, l = carry
-      k_BWJZ, v_BWJZ = _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring)
-      s = _scores(q_BAJGZ, k_BWJZ, pos_A, w * tile + jnp.arange(tile), scale)
-      m_new = jnp.maximum(m, s.max(-1))  # finite from the first tile on: every row sees key 0
-      p = jnp.exp(s - m_new[..., None])
-      rescale = jnp.exp(m - m_new)
-      acc = acc * rescale[..., None] + jnp.einsum("bjgaw,bwjz->bjgaz", p.astype(v_BWJZ.dtype), v_BWJZ,
-                                                  preferred_element_type=jnp.float32)
-      return acc, m_new, l * rescale + p.sum(-1)
+      acc_BAQZ, lse_BQA = carry
+      o_w, lse_w = attend(q_BAQZ, _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring), causal=False)
+      merged = jnp.logaddexp(lse_BQA, lse_w)
+      weight, weight_w = (jnp.einsum("bqa->baq", jnp.exp(x - merged))[..., None] for x in (lse_BQA, lse_w))
+      return acc_BAQZ * weight + o_w.astype(jnp.float32) * weight_w, merged
 
-    shape_BJGA = (b, j, q_BAJGZ.shape[3], tile)
-    init = (jnp.zeros((*shape_BJGA, z), jnp.float32), jnp.full(shape_BJGA, -jnp.inf, jnp.float32),
-            jnp.zeros(shape_BJGA, jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, _key_tile_count(pos_A, tile), one_key_tile, init)
-    o_BAJGZ = jnp.einsum("bjgaz->bajgz", acc / l[..., None]).astype(o_BSJGZ.dtype)
-    return _put_rows(o_BSJGZ, o_BAJGZ, t), _put_rows(lse_BSJG, jnp.einsum("bjga->bajg", m + jnp.log(l)), t)
+    acc, lse = jax.lax.fori_loop(0, _diagonal_tile(t, rows, tile, ring), one_key_tile,
+                                 (o.astype(jnp.float32), lse))
+    return _put_rows(o_BSQZ, acc.astype(o_BSQZ.dtype), t), _put_rows(lse_BQS, lse, t, axis=2)
 
-  outputs = (jnp.zeros_like(q_BSJGZ), jnp.zeros(q_BSJGZ.shape[:-1], jnp.float32))
-  o_BSJGZ, lse_BSJG = jax.lax.fori_loop(0, rows // tile, one_query_tile, outputs)
-  o_BSQZ = o_BSJGZ.reshape(q_BSQZ.shape)
-  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BSJG)
+  outputs = (jnp.zeros_like(q_BSQZ), jnp.zeros((q_BSQZ.shape[0], q_BSQZ.shape[2], rows), jnp.float32))
+  o_BSQZ, lse_BQS = jax.lax.fori_loop(0, rows // tile, one_query_tile, outputs)
+  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS)
 
 
-def _forward_rule(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile):
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile)
+def _forward_rule(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
+  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels)
 
 
-def _backward_rule(ring, scale, tile, residuals, do_BSQZ):
-  """The flash-attention backward per tile pair from the saved row logsumexp; dK and dV (float32, sequence order)
-  go home in one reduce-scatter."""
-  q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BSJG = residuals
-  rows, j = q_BSQZ.shape[1], k_BSJZ.shape[2]
+def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
+  """Each pair's backward from the rows' saved output and logsumexp; dK and dV (float32, over the whole
+  sequence in the devices' order) go home in one reduce-scatter each."""
+  q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS = residuals
+  rows = q_BSQZ.shape[1]
   k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
-  q_pos = _query_positions(rows, ring)
-  q_BSJGZ, do_BSJGZ = _grouped(q_BSQZ, j), _grouped(do_BSQZ, j)
-  delta_BSJG = jnp.einsum("bsjgz,bsjgz->bsjg", do_BSJGZ, _grouped(o_BSQZ, j), preferred_element_type=jnp.float32)
-  f32 = dict(preferred_element_type=jnp.float32)  # products in the inputs' dtype, sums in float32
+  grad = functools.partial(kernels.backward, scale=scale)
 
   def one_query_tile(t, carry):
-    dq_BSJGZ, grads_kv = carry
-    q_BAJGZ, do_BAJGZ, pos_A = _rows(q_BSJGZ, t, tile), _rows(do_BSJGZ, t, tile), _rows(q_pos, t, tile, axis=0)
-    lse_BJGA, delta_BJGA = (jnp.einsum("bajg->bjga", _rows(x, t, tile)) for x in (lse_BSJG, delta_BSJG))
+    dq_BSQZ, grads_kv = carry
+    q_BAQZ, o_BAQZ, do_BAQZ = (_rows(x, t, tile) for x in (q_BSQZ, o_BSQZ, do_BSQZ))
+    lse_BQA = _rows(lse_BQS, t, tile, axis=2)
 
-    def one_key_tile(w, carry):
+    def one_key_tile(w, carry, causal=False):
       dq, (dk_all, dv_all) = carry
-      k_BWJZ, v_BWJZ = _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring)
-      p = jnp.exp(_scores(q_BAJGZ, k_BWJZ, pos_A, w * tile + jnp.arange(tile), scale) - lse_BJGA[..., None])
-      dv = jnp.einsum("bjgaw,bajgz->bwjz", p.astype(do_BAJGZ.dtype), do_BAJGZ, **f32)
-      dp = jnp.einsum("bajgz,bwjz->bjgaw", do_BAJGZ, v_BWJZ, **f32)
-      ds = (p * (dp - delta_BJGA[..., None]) * scale).astype(q_BAJGZ.dtype)
-      dq = dq + jnp.einsum("bjgaw,bwjz->bajgz", ds, k_BWJZ, **f32)
-      dk = jnp.einsum("bjgaw,bajgz->bwjz", ds, q_BAJGZ, **f32)
+      dq_w, dk, dv = grad(q_BAQZ, _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring), o_BAQZ,
+                          lse_BQA, do_BAQZ, causal=causal)
       add = functools.partial(_add_key_rows, w=w, ring=ring)
-      return dq, (add(dk_all, dk), add(dv_all, dv))
+      return dq + dq_w.astype(jnp.float32), (add(dk_all, dk), add(dv_all, dv))
 
-    dq, grads_kv = jax.lax.fori_loop(0, _key_tile_count(pos_A, tile), one_key_tile,
-                                     (jnp.zeros(q_BAJGZ.shape, jnp.float32), grads_kv))
-    return _put_rows(dq_BSJGZ, dq.astype(dq_BSJGZ.dtype), t), grads_kv
+    diagonal = _diagonal_tile(t, rows, tile, ring)
+    carry = one_key_tile(diagonal, (jnp.zeros(q_BAQZ.shape, jnp.float32), grads_kv), causal=True)
+    dq, grads_kv = jax.lax.fori_loop(0, diagonal, one_key_tile, carry)
+    return _put_rows(dq_BSQZ, dq.astype(dq_BSQZ.dtype), t), grads_kv
 
   zeros = jnp.zeros(k_all.shape, jnp.float32)
-  dq_BSJGZ, (dk_all, dv_all) = jax.lax.fori_loop(0, rows // tile, one_query_tile,
-                                                 (jnp.zeros_like(q_BSJGZ), (zeros, zeros)))
+  dq_BSQZ, (dk_all, dv_all) = jax.lax.fori_loop(0, rows // tile, one_query_tile,
+                                                (jnp.zeros_like(q_BSQZ), (zeros, zeros)))
   dk, dv = _scatter_home(dk_all), _scatter_home(dv_all)
-  return dq_BSJGZ.reshape(q_BSQZ.shape), dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype)
+  return dq_BSQZ, dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype)
 
 
 def _rows(x, t, tile, axis=1):
-  """Tile t of x along its rows (axis 1 of a [B, S, ...] array, or axis 0 of positions)."""
+  """Tile t of x along its rows (axis 1 of a [B, S, ...] array; axis 2 of a [B, Q, S] logsumexp)."""
   return jax.lax.dynamic_slice_in_dim(x, t * tile, tile, axis=axis)
 
 
-def _put_rows(x, rows, t):
-  return jax.lax.dynamic_update_slice_in_dim(x, rows, t * rows.shape[1], axis=1)
+def _put_rows(x, rows, t, axis=1):
+  return jax.lax.dynamic_update_slice_in_dim(x, rows, t * rows.shape[axis], axis=axis)
 
 
 def _add_key_rows(x_BSJZ, rows_BWJZ, w, ring):
   tile = rows_BWJZ.shape[1]
   start = _held_offset(w, tile, x_BSJZ.shape[1] // (2 * ring), ring)
   return jax.lax.dynamic_update_slice_in_dim(
-      x_BSJZ, jax.lax.dynamic_slice_in_dim(x_BSJZ, start, tile, axis=1) + rows_BWJZ, start, axis=1)
+      x_BSJZ, jax.lax.dynamic_slice_in_dim(x_BSJZ, start, tile, axis=1) + rows_BWJZ.astype(x_BSJZ.dtype), start,
+      axis=1)
 
 
 _attention.defvjp(_forward_rule, _backward_rule)
-

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 import relaymoe_jax as rm
 from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
+from models.cudnn_attention import tile_kernels
 from models.loss import chunked_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
 from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
@@ -108,9 +109,6 @@ class Attention(_Layer):
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
     self.mesh = mesh
-    if splits_sequences(runtime, mesh) and runtime.attention_implementation == "cudnn":
-      raise ValueError("attention_implementation='cudnn' cannot attend across a split sequence (cuDNN takes no "
-                       "offset causal mask): context_parallel attends with its own tiled kernel; use auto or xla")
     self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
         "kv_DG", (d, hkv))
     self.o_HD = param("o_HD", (hq, d))
@@ -137,7 +135,8 @@ class Attention(_Layer):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
     if splits_sequences(self.runtime, self.mesh):
-      out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5)
+      kernels = tile_kernels(self.runtime.attention_implementation, self.platform, q.dtype)
+      out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels)
     else:
       out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
     return out.reshape(b, s, -1) @ self.cast(self.o_HD)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import capacity, grouped_gemm, harness, moe_layer, moe_layer_worker, train_compare
+from benchmarks import capacity, cp_attention, grouped_gemm, harness, moe_layer, moe_layer_worker, train_compare
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times
 
@@ -342,3 +342,13 @@ def test_merge_by_key_keeps_the_first_place_and_the_latest_item():
   assert harness.merge_by_key(items, lambda r: r["k"], add) == [dict(k="a", v=4), dict(k="b", v=2),
                                                                  dict(k="c", v=4)]
   assert harness.merge_by_key([], lambda r: r) == []
+
+
+def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
+  """XLA's tiles run anywhere (cuDNN's need a GPU): a row with both timings and the summary naming it."""
+  out = tmp_path / "cp.json"
+  cp_attention.main(["--tokens", "256", "--variants", "xla_tiles", "--iters", "1", "--out", str(out)])
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["variant"] == "xla_tiles" and 0 < row["fwd_ms"] < row["fwd_bwd_ms"]
+  assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
+      f"summary: cp_attention gpu=cpu tokens=256 xla_tiles_tflops={row['fwd_bwd_tflops']:.0f}")

@@ -230,9 +230,12 @@ def test_bfloat16_attention_over_the_shards_is_causal_attention_to_bfloat16_roun
     assert_close(g.astype(jnp.float32), r, 2e-2, name)
 
 
-def test_the_model_names_a_sequence_that_does_not_split():
+@pytest.mark.parametrize("changes, seq_len, message", [
+    ({}, 12, "seq_len=12 is not a multiple of 8"),
+    (dict(attention_implementation="cudnn"), 16, "'cudnn' under context parallelism: the devices are cpu, not GPUs")])
+def test_the_model_names_a_sequence_or_kernel_that_cannot_attend(changes, seq_len, message):
   mesh = build_mesh(MeshConfig(data=2, expert=4))
   config = load_config("tiny")
-  model = qwen3.create_sharded(config, mesh, runtime=dataclasses.replace(F32, context_parallel=True))
-  with pytest.raises(ValueError, match="seq_len=12 is not a multiple of 8"):
-    model(jnp.zeros((2, 12), jnp.int32))
+  model = qwen3.create_sharded(config, mesh, runtime=dataclasses.replace(F32, context_parallel=True, **changes))
+  with pytest.raises(ValueError, match=message):
+    model(jnp.zeros((2, seq_len), jnp.int32))

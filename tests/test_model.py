@@ -191,7 +191,6 @@ def test_bad_model_config_is_named(changes, message):
     (dict(remat="everything"), "remat \\['everything'\\] unknown"),
     (dict(remat="auto"), "remat=auto is resolved by the planner"),
     (dict(loss_chunk_tokens=-1), "loss_chunk_tokens=-1"),
-    (dict(context_parallel=True, attention_implementation="cudnn"), "attention_implementation='cudnn' cannot"),
 ])
 def test_bad_runtime_is_named(changes, message, mesh):
   with pytest.raises(ValueError, match=message):

@@ -1,0 +1,112 @@
+"""Context-parallel attention on one GPU: the tile loop a device runs, against cuDNN's causal attention.
+
+    python -m benchmarks.cp_attention [--tokens 65536,262144] [--variants cudnn_whole,cudnn_tiles,xla_tiles]
+                                      [--xla-max-tokens 65536] [--out benchmarks/results/cp_attention.json]
+
+Under context parallelism over N devices a device attends its two chunks to their causal prefix tile pair by tile
+pair (`models/context_parallel.py`): 1/N of the sequence's causal work. On one GPU the same loop runs over a mesh
+of one device (the sequence's two chunks against their prefix, no gather), so S tokens here are the work a device
+does for a sequence of S·√N (a 4M-token sequence over 8 devices: S = 1.48M). Qwen3-30B-A3B's attention (32 query
+heads, 4 K/V heads, head_dim 128), one sequence, bfloat16, forward and forward+backward of one layer:
+  cudnn_whole  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`: the path without CP;
+  cudnn_tiles  the CP loop on cuDNN tile pairs (`CUDNN_TILES`, tiles of up to --tile rows);
+  xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens.
+TFLOP/s count the causal pairs only (forward 4·S²/2·heads·head_dim, forward+backward 3.5× that). Prints a table
+and writes JSON; the last line is the summary at the largest length.
+"""
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from models.context_parallel import XLA_TILES, context_attention
+from models.cudnn_attention import CUDNN_TILES
+from models.sharding import MESH_AXES
+
+QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+
+
+def _attend(variant, mesh, tile):
+  scale = HEAD_DIM ** -0.5
+  if variant == "cudnn_whole":
+    return functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
+  kernels = {"cudnn_tiles": CUDNN_TILES, "xla_tiles": XLA_TILES}[variant]
+  return functools.partial(context_attention, mesh=mesh, scale=scale, kernels=kernels,
+                           tile=tile if variant == "cudnn_tiles" else None)
+
+
+def _seconds(f, args, iters):
+  jax.block_until_ready(f(*args))  # compile and warm up
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def measure(variant, tokens, tile, iters):
+  mesh = jax.make_mesh((1, 1, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:1])
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(key, (1, tokens, h, HEAD_DIM), jnp.bfloat16)
+                 for key, h in zip(keys, (QUERY_HEADS, KV_HEADS, KV_HEADS, QUERY_HEADS)))
+  attend = _attend(variant, mesh, tile)
+
+  def forward_backward(q, k, v, do):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(do)
+
+  fwd = _seconds(jax.jit(attend), (q, k, v), iters)
+  both = _seconds(jax.jit(forward_backward), (q, k, v, do), iters)
+  flops = 4 * tokens * (tokens + 1) / 2 * QUERY_HEADS * HEAD_DIM
+  return dict(variant=variant, tokens=tokens, tile=tile if variant == "cudnn_tiles" else None, fwd_ms=1e3 * fwd,
+              fwd_bwd_ms=1e3 * both, bwd_ms=1e3 * (both - fwd), fwd_tflops=flops / fwd / 1e12,
+              fwd_bwd_tflops=3.5 * flops / both / 1e12)
+
+
+def table(rows):
+  lines = ["| variant | tokens | tile | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['variant']} | {r['tokens']} | {r['tile'] or '-'} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | "
+                 f"{r['fwd_bwd_ms']:.1f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} |")
+  return "\n".join(lines)
+
+
+def summary(rows):
+  longest = max(r["tokens"] for r in rows)
+  fields = " ".join(f"{r['variant']}_tflops={r['fwd_bwd_tflops']:.0f}" for r in rows if r["tokens"] == longest)
+  return f"summary: cp_attention gpu={jax.devices()[0].device_kind.replace(' ', '_')} tokens={longest} {fields}"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", default="65536,262144")
+  parser.add_argument("--variants", default="cudnn_whole,cudnn_tiles,xla_tiles")
+  parser.add_argument("--tile", type=int, default=CUDNN_TILES.tile)
+  parser.add_argument("--xla-max-tokens", type=int, default=65536)
+  parser.add_argument("--iters", type=int, default=3)
+  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "cp_attention.json"))
+  args = parser.parse_args(argv)
+  rows = []
+  for tokens in (int(t) for t in args.tokens.split(",")):
+    for variant in args.variants.split(","):
+      if variant == "xla_tiles" and tokens > args.xla_max_tokens:
+        continue
+      rows.append(measure(variant, tokens, args.tile, args.iters))
+      print(rows[-1], flush=True)
+  meta = dict(harness.machine(jax), command=harness.command_line("cp_attention", argv))
+  text = f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}"
+  harness.write_json(dict(meta=meta, rows=rows), args.out)
+  print(harness.write_table(text, args.out))
+
+
+if __name__ == "__main__":
+  main()

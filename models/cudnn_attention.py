@@ -1,0 +1,83 @@
+"""cuDNN flash attention as the tile kernels of context parallelism, and the choice between it and XLA's.
+
+A shard's (query tile, key tile) pairs are merged by their row logsumexp, and each pair's backward must see the
+output and logsumexp of the whole row. JAX's public `jax.nn.dot_product_attention` gives neither: it rounds the
+logsumexp to the output's dtype and its gradient drops the logsumexp's cotangent. So the forward calls JAX's cuDNN
+wrapper (`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, which returns the float32 logsumexp)
+and the backward binds its backward primitive with the row's output and logsumexp in place of the pair's own.
+Both are JAX internals: `tile_kernels("auto", ...)` falls back to XLA's tiles, with a warning, where they are
+missing or cuDNN is.
+
+Shape letters: see `relaymoe_jax`; A and W the rows of a query and a key tile.
+"""
+
+import functools
+import logging
+
+import jax.numpy as jnp
+
+from models.context_parallel import XLA_TILES, TileKernels
+
+try:
+  from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+except ImportError:  # a JAX without its cuDNN attention module
+  _cudnn = None
+
+TILE = 16384  # rows of a tile pair: large enough that a pair runs at the kernel's full speed
+
+
+def _mask(causal):
+  return _cudnn.MaskType.CAUSAL if causal else _cudnn.MaskType.NO_MASK
+
+
+def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale):
+  o_BAQZ, lse_BQA = _cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, scale=scale, mask_type=_mask(causal),
+                                                 qkv_layout="BTNH", return_residual=True)
+  return o_BAQZ, lse_BQA
+
+
+def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale):
+  unused = jnp.zeros(0, q_BAQZ.dtype)  # no bias, sequence lengths, offsets or page tables
+  grads = _cudnn._dot_product_attention_bwd_p_wrapper.bind(
+      q_BAQZ, k_BWJZ, v_BWJZ, unused, unused, unused, unused, unused, unused, unused, lse_BQA,
+      o_BAQZ.astype(q_BAQZ.dtype), do_BAQZ.astype(q_BAQZ.dtype), scale=scale, seed=0, dropout_rate=0.0,
+      variadic_args=(False, False), mask_type=_mask(causal), layout=_cudnn.AttentionLayout.BTNH.value,
+      sliding_window_length=None)
+  return tuple(grads[:3])
+
+
+CUDNN_TILES = TileKernels(name="cudnn", forward=_forward, backward=_backward, tile=TILE)
+
+
+def unavailable(platform, dtype):
+  """Why cuDNN tiles cannot attend here, or None."""
+  if platform != "gpu":
+    return f"the devices are {platform}, not GPUs"
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"cuDNN flash attention takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
+  if _cudnn is None or not hasattr(_cudnn, "_dot_product_attention_bwd_p_wrapper"):
+    return "this JAX has no cuDNN attention primitives"
+  try:
+    _cudnn.check_cudnn_version()
+  except RuntimeError as err:
+    return str(err)
+  return None
+
+
+def tile_kernels(implementation, platform, dtype):
+  """The `TileKernels` for `runtime.attention_implementation` ('auto', 'xla' or 'cudnn') on `platform`."""
+  if implementation == "xla":
+    return XLA_TILES
+  reason = unavailable(platform, dtype)
+  if reason is None:
+    return CUDNN_TILES
+  if implementation == "cudnn":
+    raise ValueError(f"attention_implementation='cudnn' under context parallelism: {reason}")
+  if platform == "gpu":
+    _log_fallback(reason)
+  return XLA_TILES
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(reason):
+  logging.getLogger(__name__).warning("context-parallel attention uses XLA's tiles: %s", reason)

@@ -1,0 +1,55 @@
+"""Which tile kernels context-parallel attention uses, and (on a GPU) cuDNN's tiles against causal attention."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close
+from models.context_parallel import XLA_TILES, context_attention
+from models.cudnn_attention import CUDNN_TILES, tile_kernels
+from models.sharding import MESH_AXES
+
+
+def test_xla_tiles_where_cudnn_cannot_attend(caplog):
+  assert tile_kernels("auto", "cpu", jnp.bfloat16) is XLA_TILES
+  assert tile_kernels("xla", "gpu", jnp.bfloat16) is XLA_TILES
+  with caplog.at_level(logging.WARNING):
+    assert tile_kernels("auto", "gpu", jnp.float32) is XLA_TILES
+  assert "takes bfloat16 or float16, not float32" in caplog.text
+
+
+def test_asking_for_cudnn_where_it_cannot_attend_names_why():
+  with pytest.raises(ValueError, match="attention_implementation='cudnn' under context parallelism: the devices are "
+                                       "cpu, not GPUs"):
+    tile_kernels("cudnn", "cpu", jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [CUDNN_TILES, XLA_TILES], ids=lambda k: k.name)
+def test_tiles_on_a_gpu_attend_as_causal_attention(kernels):
+  """bf16 inputs, output and the gradients of q, k and v against float32 causal attention of the same inputs
+  (within 2e-2 relative: bfloat16 keeps 8 bits). One device holds the sequence's two chunks; tiles of 256 rows make
+  8 query tiles, each with its diagonal pair and up to 7 key tiles before it, merged by their logsumexp."""
+  if jax.default_backend() != "gpu" or kernels is CUDNN_TILES and tile_kernels("auto", "gpu", jnp.bfloat16) is XLA_TILES:
+    pytest.skip("cuDNN tiles attend on a GPU with cuDNN; run `pytest -m gpu` there")
+  mesh = jax.make_mesh((1, 1, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:1])
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, 2048, h, 128)), jnp.bfloat16) for h in (8, 2, 2, 8))
+  scale = 128 ** -0.5
+
+  def tiled(q, k, v):
+    return context_attention(q, k, v, mesh=mesh, scale=scale, kernels=kernels, tile=256)
+
+  def whole(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
+
+  out, vjp = jax.vjp(jax.jit(tiled), q, k, v)
+  as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+  ref_out, ref_vjp = jax.vjp(jax.jit(whole), *as_f32[:3])
+  assert out.dtype == jnp.bfloat16
+  for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), (ref_out, *ref_vjp(as_f32[3]))):
+    assert_close(g.astype(jnp.float32), r, 2e-2, name)
