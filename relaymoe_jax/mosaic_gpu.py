@@ -18,6 +18,8 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax.experimental.mosaic.gpu import dialect as mosaic_dialect
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from relaymoe_jax.grouped_kernels import GroupedKernels
@@ -116,6 +118,31 @@ def rhs_grad(lhs_MI, d_out_MO, sizes_L):
   with jax.numpy_dtype_promotion("standard"), _sm_count_of_target():
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
         lhs_MI, d_out_MO, group_sizes=sizes_L, **tiles_for(TRANSPOSED, lhs_MI.shape[1], d_out_MO.shape[1]))
+
+
+_DUMP_NAME = "mosaic_gpu.dump_basename"
+
+
+def stable_kernel_hashes():
+  """Makes each kernel's `kernel_hash`, and so JAX's persistent-cache key of a program holding it, independent of
+  how many Mosaic GPU kernels the process lowered before. From jaxlib 0.11 the lowering stamps every kernel module
+  with a dump file name numbered by a process-wide counter (`get_or_set_dump_options`) before hashing its bytes, so
+  the planner's step, lowered after other policies, and a rerun's, lowered first, never share a key. Naming the
+  module after itself first leaves the counter out; only the names of MOSAIC_GPU_DUMP_* files change. Idempotent;
+  nothing to do on a jaxlib without the hook."""
+  stamp = getattr(mosaic_dialect, "get_or_set_dump_options", None)
+  if stamp is None or getattr(stamp, "stable", False):
+    return
+
+  def named_after_itself(module):
+    attributes = module.operation.attributes
+    if _DUMP_NAME not in attributes:
+      name = ir.StringAttr(attributes["sym_name"]).value if "sym_name" in attributes else "mosaic_gpu_module"
+      attributes[_DUMP_NAME] = ir.StringAttr.get(name, context=module.context)
+    return stamp(module)
+
+  named_after_itself.stable = True
+  mosaic_dialect.get_or_set_dump_options = named_after_itself
 
 
 KERNELS = GroupedKernels(name="mosaic_gpu", forward=forward, lhs_grad=lhs_grad, rhs_grad=rhs_grad,

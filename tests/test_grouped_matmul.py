@@ -4,6 +4,7 @@ write NaN past the groups, as the Mosaic GPU kernels leave garbage there; on a H
 checked against `lax.ragged_dot` too."""
 
 import logging
+import re
 import types
 
 import jax
@@ -173,3 +174,20 @@ def test_scan_backend_matches_ragged_dot(groups):
   """`xla_scan` (the memory-faithful CPU backend of the memory benchmarks) computes the same values and gradients."""
   lhs, rhs, c = _operands(5)
   _check_against_xla("xla_scan", lhs, rhs, jnp.asarray(GROUPS[groups], jnp.int32), c, 1e-6)
+
+
+def test_a_kernel_lowers_alike_however_many_kernels_the_process_lowered_before():
+  """A kernel's hash is part of JAX's persistent-cache key of the program holding it: after `stable_kernel_hashes`
+  (the trainer calls it) the same kernel lowered again for GPUs, after another one, hashes alike (jaxlib 0.11 hashes
+  a process-wide count of lowered kernels into each otherwise, and a rerun never hit the cache)."""
+  mg.stable_kernel_hashes()
+
+  def kernel_hashes(out_width):
+    args = (jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, out_width), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4,), jnp.int32))
+    jax.clear_caches()
+    text = jax.jit(mg.forward).trace(*args).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+    return re.findall(r'kernel_hash = "(.*?)", module', text)
+
+  first = kernel_hashes(256)
+  assert kernel_hashes(128) != first and kernel_hashes(256) == first and len(first) == 1

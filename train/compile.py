@@ -15,6 +15,7 @@ import relaymoe_jax as rm
 from models import qwen3
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
 from models.sharding import batch_spec
+from relaymoe_jax import mosaic_gpu
 from train.config import RunConfig
 from train.mesh import run_mesh
 from train.metrics import log_on_process_0, size
@@ -26,6 +27,7 @@ from train.step import TrainState, make_optimizer, make_train_step
 # their locations in the program, where the persistent compilation cache's key keeps them: a rerun, compiling only
 # the planned step, missed the cache on GPUs.
 jax.config.update("jax_include_full_tracebacks_in_locations", False)
+mosaic_gpu.stable_kernel_hashes()  # nor their number in the process (jaxlib ≥ 0.11 hashes a counter into each)
 
 
 def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh):
