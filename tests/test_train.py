@@ -139,6 +139,7 @@ def test_throughput_is_timed_to_each_logged_steps_end(tmp_path, monkeypatch):
     assert 2 * seconds <= window_s < 2 * seconds + 0.25, (record["step"], window_s)
 
 
+@pytest.mark.slow  # 13-29 s on 2 cores (the default run reached 11.5 min); CI's second step runs it
 def test_resume_continues_exactly(tmp_path):
   config = tiny_run(tmp_path)
   full = run(config)
