@@ -111,7 +111,7 @@ def test_odd_token_counts_are_padded_inside(dispatcher, explicit):
     assert_close(y, rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["auto", "explicit"])
 def test_batch_seq_input_and_mesh_from_the_context(explicit):
   """x [B, S, D] with routing [B, S, K], no mesh= (the `jax.set_mesh` context's, eager and under jit), renamed
   axes, a shared expert: y [B, S, D] as the [T, D] call gives it, sharded as x came on an Explicit mesh."""

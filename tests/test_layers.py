@@ -29,7 +29,7 @@ def _mesh(explicit):
   return mesh_of((2, 4), (ROWS, EXPERTS), explicit=explicit)
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["auto", "explicit"])
 def test_linen_layer_matches_oracle_with_shared_expert(explicit):
   mesh = _mesh(explicit)
   layer = rm.linen.MoE(**SIZES, shared_d_ff=6, mesh=mesh, expert_axis=EXPERTS, dispatcher="ring_expert")
@@ -45,7 +45,7 @@ def test_linen_layer_matches_oracle_with_shared_expert(explicit):
   assert state["intermediates"][rm.linen.AUX_NAME][0].router.expert_counts_E.sum() == 15 * 2
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["auto", "explicit"])
 def test_nnx_layer_matches_oracle(explicit):
   mesh = _mesh(explicit)
   layer = rm.nnx.MoE(8, **SIZES, mesh=mesh, expert_axis=EXPERTS, dispatcher="ring_token", rngs=nnx.Rngs(0))

@@ -75,7 +75,7 @@ VARIANTS = {  # (architecture changes, runtime changes, mesh)
 }
 
 
-DEFAULT_PAIRS = [("ring_expert", "qwen3-fsdp"), ("ring_token", "qwen3-etp"), ("all_to_all", "qwen3")]
+DEFAULT_PAIRS = [("ring_expert", "qwen3-fsdp"), ("all_to_all", "qwen3")]
 MODEL_PAIRS = [pytest.param(d, v, marks=() if (d, v) in DEFAULT_PAIRS else pytest.mark.slow)
                for d in ("ring_expert", "ring_token", "all_to_all") for v in sorted(VARIANTS)]
 

@@ -247,6 +247,7 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
   assert not planning.caps_chunks(dataclasses.replace(moe_heavy, seq_len=64))
 
 
+@pytest.mark.slow  # 6-12 s on 2 cores; CI's second step runs it
 def test_relaymoe_plan_puts_the_ring_and_all_to_all_side_by_side(uniform, tmp_path, capsys, monkeypatch):
   """A budget both steps fit whole (no remat to plan; the ring keeps its gate/up projections too)."""
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
