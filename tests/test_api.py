@@ -53,6 +53,7 @@ def test_auto_mesh_eager_call_and_resharded_inputs():
   assert_close(y, rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")
 
 
+@pytest.mark.slow  # 8-10 s on 2 cores; CI's second step runs it
 def test_dispatcher_instance_and_options_are_equivalent():
   mesh = mesh_of((4,), (rm.EXPERT,))
   layer = random_layer(2, 32, 16, 24, 8, 2, skew=True)

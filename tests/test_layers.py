@@ -54,6 +54,7 @@ def test_nnx_layer_matches_oracle(explicit):
   rmt.assert_layer_matches_dense_oracle(layer, _x(), rtol=F32_RTOL)
 
 
+@pytest.mark.slow  # 8-10 s on 2 cores; CI's second step runs it
 def test_linen_layers_under_scan_and_remat_match_the_oracle():
   """Two stacked layers, one `nn.scan` over a remat'd layer, parameters with a replicated layer axis."""
   mesh = _mesh(False)
@@ -83,6 +84,7 @@ def test_linen_layers_under_scan_and_remat_match_the_oracle():
   rmt.assert_trees_close(grads("ring_expert"), grads("dense"), F32_RTOL)
 
 
+@pytest.mark.slow  # 8-10 s on 2 cores; CI's second step runs it
 def test_nnx_layers_under_scan_and_remat_match_the_oracle():
   mesh = _mesh(True)
 

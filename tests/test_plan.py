@@ -107,6 +107,7 @@ def test_the_ring_keeps_gate_up_only_where_it_can_and_the_user_left_it_open():
   assert not planning.keeps_gate_up(with_runtime(BASE, dispatcher_options=dict(recompute=False)))
 
 
+@pytest.mark.slow  # 8-10 s on 2 cores; CI's second step runs it
 def test_nothing_to_plan_when_everything_fits(uniform):
   """Keeping everything fits exactly; the ring keeping gate/up as well would not."""
   plan = planner_with(uniform["none"]).plan()
