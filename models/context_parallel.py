@@ -250,10 +250,6 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
   return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS)
 
 
-def _forward_rule(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels)
-
-
 def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
   """Each pair's backward from the rows' saved output and logsumexp; dK and dV (float32, over the whole
   sequence in the devices' order) go home in one reduce-scatter each."""
@@ -303,4 +299,4 @@ def _add_key_rows(x_BSJZ, rows_BWJZ, w, ring):
       axis=1)
 
 
-_attention.defvjp(_forward_rule, _backward_rule)
+_attention.defvjp(_forward, _backward_rule)
