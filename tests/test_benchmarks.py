@@ -32,7 +32,8 @@ def test_moe_layer_rows_measure_every_variant(rows):
   assert [r["gpus"] for r in rows] == [8, 1, 8, 8, 8, 8, 8, 8, 8, 1]
 
 
-@pytest.mark.parametrize("gpus", [2, 8])  # a ring of two reverses its backward, so its transfers differ
+# A ring of two reverses its backward, so its transfers differ (5 s each on 2 cores; CI's second step runs 2).
+@pytest.mark.parametrize("gpus", [pytest.param(2, marks=pytest.mark.slow), 8])
 def test_overlap_bounds_split_the_ring_in_two(gpus):
   """ring_nocomm has the ring's matmuls and no send; transfer has exactly the ring's sends (compiled HLO)."""
   def sends(text):
@@ -45,6 +46,7 @@ def test_overlap_bounds_split_the_ring_in_two(gpus):
   assert ring.count(" dot(") == nocomm.count(" dot(") > 0
 
 
+@pytest.mark.slow  # 6 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_a_stack_of_layers_runs_each_layer():
   def sends(shape):
     return moe_layer_worker.compile_variant("ring_expert", shape, 64)[0].as_text().count("collective-permute(")
@@ -152,6 +154,7 @@ def test_moe_layer_summary_has_every_field(rows):
   assert "| ring_expert |" in moe_layer.render(rows, [])
 
 
+@pytest.mark.slow  # 6 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_profile_reports_kernel_time(tmp_path):
   row = moe_layer_worker.run_one("ring_expert", "tiny", 64, iters=1, profile_dir=str(tmp_path))
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
@@ -297,6 +300,7 @@ def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
                                                                            "ring_max_seq=4096 a2a_max_seq=2048")
 
 
+@pytest.mark.slow  # 5 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_capacity_loss_head_only_compares_plain_and_chunked(tmp_path):
   """Compile-only, this machine's first device: the chunked head needs a small fraction of the plain one's
   temporaries (the full float32 logits of 65536 tokens over Qwen3's vocabulary alone are 37 GiB)."""

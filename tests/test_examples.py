@@ -19,7 +19,7 @@ def _load(name):
   return module
 
 
-@pytest.mark.parametrize("name", ["linen_decoder", "nnx_decoder"])
+@pytest.mark.parametrize("name", [pytest.param("linen_decoder", marks=pytest.mark.slow), "nnx_decoder"])  # ~11 s each
 def test_example_trains(name):
   requires_devices(8)
   losses = _load(name).train(steps=4)

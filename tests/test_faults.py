@@ -77,6 +77,7 @@ def _remove_array_data(checkpoint):
   shutil.rmtree(checkpoint / "state" / "ocdbt.process_0")
 
 
+@pytest.mark.slow  # 13 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_checkpoints_whose_arrays_are_damaged_are_skipped_for_resume_and_convert(trained, tmp_path, capfd):
   config, out = trained
   damaged = tmp_path / "resume"

@@ -180,7 +180,7 @@ def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
 
 
 @pytest.mark.parametrize("fraction,suggestion", [
-    (0.6, "With runtime.remat=auto it fits: "),
+    pytest.param(0.6, "With runtime.remat=auto it fits: ", marks=pytest.mark.slow),  # plans: 9 s on 2 cores
     (-0.5, "Even layer in every layer needs "),
 ])
 def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion(uniform, tmp_path, fraction,
