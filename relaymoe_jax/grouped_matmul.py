@@ -8,6 +8,10 @@ zeros in rows past sum(sizes_L) (the interface: `grouped_kernels.GroupedMatmul`)
   kernel_reference  the `kernel_backend` path with `lax` reference kernels that, like the Mosaic ones, leave
                     garbage past sum(sizes_L): checks the custom_vjp, masking and fallbacks anywhere.
   auto              mosaic_gpu on Hopper GPUs, xla elsewhere.
+The rings' hops also take a fused expert path (`fused_expert.py`) by name; its other grouped matmuls (and every
+other caller's) run on the backend FUSED_BACKENDS names:
+  fused_triton      Pallas Triton kernels that read rows by token index, SwiGLU in their epilogues (NVIDIA GPUs).
+  fused_reference   the same kernels through Pallas's interpreter (anywhere; slow: for tests).
 Shape letters: see relaymoe_jax.
 """
 
@@ -73,6 +77,10 @@ BACKENDS: dict[str, GroupedMatmul] = {
 }
 
 
+# A fused expert path → the backend of its unfused grouped matmuls (the down projection, the input gradient).
+FUSED_BACKENDS = {"fused_triton": "mosaic_gpu", "fused_reference": "kernel_reference"}
+
+
 def _hopper(device):
   if device.platform != "gpu":
     return False
@@ -86,13 +94,15 @@ def resolve_backend(name, mesh=None):
   and returned."""
   if name == "auto":
     return "mosaic_gpu" if _hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0]) else "xla"
-  if name not in BACKENDS:
-    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
+  if name not in BACKENDS and name not in FUSED_BACKENDS:
+    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: "
+                     f"{sorted([*BACKENDS, *FUSED_BACKENDS, 'auto'])}")
   return name
 
 
 def get_backend(name) -> GroupedMatmul:
-  return BACKENDS[resolve_backend(name)]
+  name = resolve_backend(name)
+  return BACKENDS[FUSED_BACKENDS.get(name, name)]
 
 
 # `lax.ragged_dot` without a kernel (XLA:CPU, and XLA:GPU as of JAX 0.11) is a dense masked dot whose temporaries
@@ -104,7 +114,7 @@ ROW_ALIGN = 128
 
 def max_chunk_rows(backend, groups, width):
   """The most rows one grouped-matmul call should get from a chunked caller, or None for no limit."""
-  if backend != "xla":  # the others hold M×O at most
+  if FUSED_BACKENDS.get(backend, backend) != "xla":  # the others hold M×O at most
     return None
   return max(ROW_ALIGN, DENSE_FALLBACK_ELEMENTS // (groups * width) // ROW_ALIGN * ROW_ALIGN)
 
@@ -131,7 +141,7 @@ def _swiglu_activation(gate_up_RU, dtype):
   return (jax.nn.silu(gate_RF) * up_RF).astype(dtype)
 
 
-def _matmul_options(dtype):
+def matmul_options(dtype):
   return dict(preferred_element_type=jnp.float32, precision=matmul_precision(dtype))
 
 
@@ -142,7 +152,7 @@ def expert_swiglu(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, *, backend="xla"):
   Returns:
     (y_RD float32, gate_up_RU = x·[gate | up] in x's dtype, for a backward that keeps it).
   """
-  gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
+  gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
   gate_up_RU = gmm(x_RD, w_gate_up_LDU, sizes_L)
   act_RF = _swiglu_activation(gate_up_RU, x_RD.dtype)
   return gmm(act_RF, w_down_LFD, sizes_L), gate_up_RU.astype(x_RD.dtype)
@@ -161,7 +171,7 @@ def expert_swiglu_backward(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, dy_RD, w_R,
   Returns:
     (dx_RD, dw_R, dw_gate_up_LDU, dw_down_LFD), float32.
   """
-  gmm = functools.partial(get_backend(backend), **_matmul_options(x_RD.dtype))
+  gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
   # With gate_up_RU given, only this product's transposes are used: its forward is dead code that XLA removes.
   recomputed_RU, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDU)
   gate_RF, up_RF = split_gate_up((recomputed_RU if gate_up_RU is None else gate_up_RU).astype(jnp.float32))

@@ -119,7 +119,7 @@ class RingExpert:
       memory is short; the Qwen3-30B layer at 65536 tokens on one H200 ran 18% slower capped at 131072 rows,
       docs/memory.md). Not with `chunk_rows`.
     backend: grouped-matmul backend: "auto" (Mosaic GPU kernels on Hopper, else "xla"), "xla", "mosaic_gpu",
-      "kernel_reference" (see `grouped_matmul`).
+      "kernel_reference", or a fused expert path: "fused_triton", "fused_reference" (see `grouped_matmul`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
       intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
       forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.

@@ -14,7 +14,7 @@ import math
 import jax
 
 from relaymoe_jax.chunks import check_ladder, check_row_cap, default_chunk_rows
-from relaymoe_jax.grouped_matmul import max_chunk_rows, resolve_backend, split_gate_up
+from relaymoe_jax.grouped_matmul import FUSED_BACKENDS, max_chunk_rows, resolve_backend, split_gate_up
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.pair_plan import unsort_pair_values
 
@@ -54,6 +54,9 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
   `recompute=False` (the autodiff ablation): one chunk size and a fixed chunk count per hop."""
   check_row_cap(chunk_rows, row_cap)
   backend = resolve_backend(backend, layout.mesh)
+  if not recompute and backend in FUSED_BACKENDS:
+    raise ValueError(f"backend={backend!r} needs recompute=True: its kernels have no autodiff rule (the "
+                     "recomputing backward calls their gradients itself)")
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   ladder = _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF)
