@@ -83,19 +83,21 @@ def _for_visit(visits, block_m, body):
   pl.when(lo < hi)(lambda: body(first=tile * block_m, group=group, valid=(rows >= lo) & (rows < hi), n=n))
 
 
-def _gathered_matmul(src_ref, tok, w_ref, group, col, block_k, width, transpose_w=False):
-  """Σ over the contraction of src[tok]·w[group][:, col] (or ·w[group][col, :]ᵀ), float32."""
-  block_m, block_n = tok.shape[0], col.size
+def _gathered_matmul(src_ref, tok, w_ref, group, cols, block_k, width, transpose_w=False):
+  """For each column block in `cols`, Σ over the contraction of src[tok]·w[group][:, col] (or ·w[group][col, :]ᵀ),
+  float32; each block of src rows is read once for all of them."""
 
-  def step(k, acc):
+  def step(k, accs):
     ks = pl.ds(k * block_k, block_k)
+    a = src_ref[tok, ks]
     if transpose_w:
-      w = plt.load(w_ref.at[group, col, ks])
-      return acc + plt.dot(src_ref[tok, ks].astype(w.dtype), w, trans_b=True)
-    w = plt.load(w_ref.at[group, ks, col])
-    return acc + plt.dot(src_ref[tok, ks].astype(w.dtype), w)
+      ws = [plt.load(w_ref.at[group, col, ks]) for col in cols]
+      return tuple(acc + plt.dot(a.astype(w.dtype), w, trans_b=True) for acc, w in zip(accs, ws))
+    ws = [plt.load(w_ref.at[group, ks, col]) for col in cols]
+    return tuple(acc + plt.dot(a.astype(w.dtype), w) for acc, w in zip(accs, ws))
 
-  return jax.lax.fori_loop(0, width // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+  zeros = tuple(jnp.zeros((tok.shape[0], col.size), jnp.float32) for col in cols)
+  return jax.lax.fori_loop(0, width // block_k, step, zeros)
 
 
 def _silu(g):
@@ -112,8 +114,7 @@ def _gate_up_visit(tok_ref, x_ref, w_ref, *out_refs, first, group, valid, n, til
   rows = pl.ds(first, tiles.block_m)
   tok = plt.load(tok_ref.at[rows], mask=valid, other=0)
   gate_cols, up_cols = pl.ds(n * tiles.block_n, tiles.block_n), pl.ds(ffn + n * tiles.block_n, tiles.block_n)
-  gate = _gathered_matmul(x_ref, tok, w_ref, group, gate_cols, tiles.block_k, width)
-  up = _gathered_matmul(x_ref, tok, w_ref, group, up_cols, tiles.block_k, width)
+  gate, up = _gathered_matmul(x_ref, tok, w_ref, group, (gate_cols, up_cols), tiles.block_k, width)
   mask = valid[:, None]
   if "h" in out:
     plt.store(out["h"].at[rows, gate_cols], (_silu(gate) * up).astype(out["h"].dtype), mask=mask)
@@ -160,7 +161,7 @@ def _down_grad_visit(tok_ref, dy_ref, w_ref, gate_up_ref, weight_ref, d_gate_up_
   rows = pl.ds(first, tiles.block_m)
   tok = plt.load(tok_ref.at[rows], mask=valid, other=0)
   gate_cols, up_cols = pl.ds(n * tiles.block_n, tiles.block_n), pl.ds(ffn + n * tiles.block_n, tiles.block_n)
-  dh = _gathered_matmul(dy_ref, tok, w_ref, group, gate_cols, tiles.block_k, width, transpose_w=True)
+  (dh,) = _gathered_matmul(dy_ref, tok, w_ref, group, (gate_cols,), tiles.block_k, width, transpose_w=True)
   mask = valid[:, None]
   gate = plt.load(gate_up_ref.at[rows, gate_cols], mask=mask, other=0).astype(jnp.float32)
   up = plt.load(gate_up_ref.at[rows, up_cols], mask=mask, other=0).astype(jnp.float32)
