@@ -9,7 +9,9 @@ kernels, these may leave anything in rows past sum(sizes_L). Three kernels:
                    reads it) and Σ_F dh·h per column block (the router weight's gradient);
   weight_grad      per group, a[rows]ᵀ·b[rows], either side read by token index.
 A row tile may hold rows of several groups: a grid step is one visit (tile, group) (`group_visits`), masked to
-the rows of its group, so a tile is visited once per group it holds and no step writes another's rows.
+the rows of its group, so a tile is visited once per group it holds and no step writes another's rows. The output
+column block is the grid's fastest axis (Triton launches program_id(0) fastest): the steps running together read
+the same rows (once from HBM, then from L2) and one group's weights, which L2 holds across its visits.
 
 `interpret=True` runs them through Pallas's interpreter (any backend: the CPU tests); otherwise they lower to
 Triton for NVIDIA GPUs. Shape letters: see relaymoe_jax.
@@ -77,7 +79,7 @@ def group_visits(sizes_L, rows, block_m):
 def _for_visit(visits, block_m, body):
   """body(first row of this step's tile, its group, mask of the tile's rows that are that group's, column block),
   where the step visits any rows."""
-  v, n = pl.program_id(0), pl.program_id(1)  # read here: the interpreter substitutes them only outside `when`
+  n, v = pl.program_id(0), pl.program_id(1)  # read here: the interpreter substitutes them only outside `when`
   tile, group, lo, hi = (ref[v] for ref in visits)
   rows = tile * block_m + jnp.arange(block_m, dtype=jnp.int32)
   pl.when(lo < hi)(lambda: body(first=tile * block_m, group=group, valid=(rows >= lo) & (rows < hi), n=n))
@@ -147,7 +149,7 @@ def gate_up_swiglu(x_TD, tok_M, w_gate_up_LDU, sizes_L, *, tiles=DEFAULT_TILES, 
   widths = {"h": ffn, "gate_up": fused}
   out = [jax.ShapeDtypeStruct((rows, widths[name]), x_TD.dtype) for name in outputs]
   kernel = functools.partial(_gate_up_kernel, tiles=tiles, width=width, ffn=ffn, outputs=outputs)
-  return tuple(_call(kernel, out, (visits.tile_V.shape[0], ffn // tiles.block_n), tiles, interpret, *visits,
+  return tuple(_call(kernel, out, (ffn // tiles.block_n, visits.tile_V.shape[0]), tiles, interpret, *visits,
                      tok_M, x_TD, w_gate_up_LDU))
 
 
@@ -195,7 +197,7 @@ def down_grad(dy_TD, tok_M, w_down_LFD, gate_up_MU, weight_M, sizes_L, *, tiles=
   out = [jax.ShapeDtypeStruct((rows, 2 * ffn), dy_TD.dtype), jax.ShapeDtypeStruct((rows, ffn), dy_TD.dtype),
          jax.ShapeDtypeStruct((rows, blocks), jnp.float32)]
   kernel = functools.partial(_down_grad_kernel, tiles=tiles, width=width, ffn=ffn)
-  d_gate_up, hw, dw_MN = _call(kernel, out, (visits.tile_V.shape[0], blocks), tiles, interpret, *visits, tok_M,
+  d_gate_up, hw, dw_MN = _call(kernel, out, (blocks, visits.tile_V.shape[0]), tiles, interpret, *visits, tok_M,
                                dy_TD, w_down_LFD, gate_up_MU, weight_M)
   return d_gate_up, hw, jnp.sum(dw_MN, axis=1)
 
@@ -205,7 +207,7 @@ def _weight_grad_kernel(starts_ref, ends_ref, a_ref, b_ref, *refs, tiles, a_tok,
   a_tok_ref = refs.pop(0) if a_tok else None
   b_tok_ref = refs.pop(0) if b_tok else None
   (out_ref,) = refs
-  group, i, o = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  o, i, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   start, end = starts_ref[group], ends_ref[group]
   in_cols, out_cols = pl.ds(i * tiles.block_m, tiles.block_m), pl.ds(o * tiles.block_n, tiles.block_n)
 
@@ -239,7 +241,7 @@ def weight_grad(a_NI, b_NO, sizes_L, a_tok_M=None, b_tok_M=None, *, tiles=DEFAUL
   kernel = functools.partial(_weight_grad_kernel, tiles=tiles, a_tok=a_tok_M is not None,
                              b_tok=b_tok_M is not None)
   out = [jax.ShapeDtypeStruct((groups, width_in, width_out), a_NI.dtype)]
-  grid = (groups, width_in // tiles.block_m, width_out // tiles.block_n)
+  grid = (width_out // tiles.block_n, width_in // tiles.block_m, groups)
   return _call(kernel, out, grid, tiles, interpret, ends_L - sizes_L, ends_L, a_NI, b_NO, *toks)[0]
 
 
