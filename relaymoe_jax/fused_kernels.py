@@ -168,14 +168,14 @@ def _down_grad_visit(tok_ref, dy_ref, w_ref, gate_up_ref, weight_ref, d_gate_up_
   gate = plt.load(gate_up_ref.at[rows, gate_cols], mask=mask, other=0).astype(jnp.float32)
   up = plt.load(gate_up_ref.at[rows, up_cols], mask=mask, other=0).astype(jnp.float32)
   weight = plt.load(weight_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
-  d_gate, d_up, hw, dw = _swiglu_grads(dh, gate, up, weight, hw_ref.dtype)
+  d_gate, d_up, hw, dw = swiglu_grads(dh, gate, up, weight, hw_ref.dtype)
   plt.store(d_gate_up_ref.at[rows, gate_cols], d_gate.astype(d_gate_up_ref.dtype), mask=mask)
   plt.store(d_gate_up_ref.at[rows, up_cols], d_up.astype(d_gate_up_ref.dtype), mask=mask)
   plt.store(hw_ref.at[rows, gate_cols], hw.astype(hw_ref.dtype), mask=mask)
   plt.store(dw_ref.at[rows, n], dw, mask=valid)
 
 
-def _swiglu_grads(dh, gate, up, weight, dtype):
+def swiglu_grads(dh, gate, up, weight, dtype):
   """From dh = dy·W_downᵀ and the rows' gate, up and router weight (float32): (d_gate, d_up, weight·h, Σ dh·h),
   with h = silu(gate)·up rounded to `dtype` as the forward wrote it."""
   sigmoid = jax.nn.sigmoid(gate)
@@ -268,7 +268,7 @@ def reference_down_grad(dy_TD, tok_M, w_down_LFD, gate_up_MU, weight_M, sizes_L,
   """`down_grad` in lax on gathered rows."""
   dh = _ragged(dy_TD[tok_M].astype(w_down_LFD.dtype), jnp.swapaxes(w_down_LFD, 1, 2), sizes_L)
   gate, up = jnp.split(gate_up_MU.astype(jnp.float32), 2, axis=1)
-  d_gate, d_up, hw, dw = _swiglu_grads(dh, gate, up, weight_M.astype(jnp.float32)[:, None], dy_TD.dtype)
+  d_gate, d_up, hw, dw = swiglu_grads(dh, gate, up, weight_M.astype(jnp.float32)[:, None], dy_TD.dtype)
   return (_past_rows(jnp.concatenate([d_gate, d_up], axis=1).astype(dy_TD.dtype), sizes_L),
           _past_rows(hw.astype(dy_TD.dtype), sizes_L), _past_rows(dw, sizes_L))
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import capacity, cp_attention, grouped_gemm, harness, moe_layer, moe_layer_worker, train_compare
+from benchmarks import (capacity, cp_attention, fused_expert, grouped_gemm, harness, moe_layer, moe_layer_worker,
+                        train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times
 
@@ -358,3 +359,14 @@ def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
   assert row["variant"] == "xla_tiles" and 0 < row["fwd_ms"] < row["fwd_bwd_ms"]
   assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
       f"summary: cp_attention gpu=cpu tokens=256 xla_tiles_tflops={row['fwd_bwd_tflops']:.0f}")
+
+
+def test_fused_expert_times_each_step_both_ways_and_writes_its_summary(tmp_path):
+  """On CPU the fused kernels run in Pallas's interpreter: a row per step with both timings, and the summary."""
+  out = tmp_path / "fused.json"
+  fused_expert.main(["--shapes", "tiny", "--iters", "1", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["step"] for r in rows] == list(fused_expert.STEPS)
+  assert all(r["fused_ms"] > 0 and r["unfused_ms"] > 0 and r["backend"] == "xla" for r in rows)
+  summary = out.with_suffix(".txt").read_text().splitlines()[-1]
+  assert summary.startswith("summary: fused_expert gpu=cpu shape=tiny fused_ms="), summary

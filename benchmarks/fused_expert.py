@@ -1,0 +1,147 @@
+"""The fused expert kernels against the unfused steps they replace, kernel by kernel, on one GPU.
+
+    python -m benchmarks.fused_expert [--shapes ring_of_one,ep8_hop] [--iters 10] [--out ...]
+
+Per shape (M top-k rows of T tokens over L experts; Qwen3-30B's D 2048 and F 768), bf16, random token ids and
+group sizes, each step of a hop's SwiGLU expert timed both ways:
+  gate_up    fused `gate_up_swiglu` | unfused: x's row gather, the gate|up grouped matmul, SwiGLU
+  down_grad  fused `down_grad`      | unfused: dy's row gather, the down projection's input gradient, SwiGLU's
+                                      derivative, d(router weight) and the rows that feed W_down's gradient
+  w_down     fused `weight_grad`    | unfused: dy's row gather, the weight-gradient grouped matmul
+  w_gate_up  fused `weight_grad`    | unfused: x's row gather, the weight-gradient grouped matmul
+The unfused steps run `--backend` (default: mosaic_gpu on Hopper GPUs, else xla); elsewhere than a GPU the fused
+kernels run in Pallas's interpreter (`--shapes tiny`: what the tests run). Prints a table, writes JSON; the summary
+line sums the four steps of the first shape.
+"""
+
+import argparse
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from relaymoe_jax import fused_kernels as fk
+from relaymoe_jax.grouped_matmul import get_backend, matmul_options, resolve_backend
+
+SHAPES = {  # name: (tokens T, rows M, groups L, D, F)
+    "ring_of_one": (65536, 65536 * 8, 128, 2048, 768),
+    "ep8_hop": (32768, 32768, 16, 2048, 768),
+    "tiny": (64, 128, 4, 32, 32),
+}
+STEPS = ("gate_up", "down_grad", "w_down", "w_gate_up")
+
+
+def _inputs(tokens, rows, groups, width, ffn, seed=0):
+  k = jax.random.split(jax.random.key(seed), 7)
+  bf16 = jnp.bfloat16
+  sizes = np.random.default_rng(seed).multinomial(rows, np.full(groups, 1.0 / groups))
+  return dict(
+      x_TD=jax.random.normal(k[0], (tokens, width), bf16), dy_TD=jax.random.normal(k[1], (tokens, width), bf16),
+      w_gate_up_LDU=(jax.random.normal(k[2], (groups, width, 2 * ffn)) / np.sqrt(width)).astype(bf16),
+      w_down_LFD=(jax.random.normal(k[3], (groups, ffn, width)) / np.sqrt(ffn)).astype(bf16),
+      tok_M=jax.random.randint(k[4], (rows,), 0, tokens), weight_M=jax.random.uniform(k[5], (rows,)),
+      gate_up_MU=jax.random.normal(k[6], (rows, 2 * ffn), bf16), sizes_L=jnp.asarray(sizes, jnp.int32))
+
+
+def fused_steps(kernel_options):
+  """step → f(inputs) on the fused kernels."""
+  o = kernel_options
+  return {
+      "gate_up": lambda a: fk.gate_up_swiglu(a["x_TD"], a["tok_M"], a["w_gate_up_LDU"], a["sizes_L"], **o),
+      "down_grad": lambda a: fk.down_grad(a["dy_TD"], a["tok_M"], a["w_down_LFD"], a["gate_up_MU"], a["weight_M"],
+                                          a["sizes_L"], **o),
+      "w_down": lambda a: fk.weight_grad(a["gate_up_MU"][:, :a["w_down_LFD"].shape[1]], a["dy_TD"], a["sizes_L"],
+                                         b_tok_M=a["tok_M"], **o),
+      "w_gate_up": lambda a: fk.weight_grad(a["x_TD"], a["gate_up_MU"], a["sizes_L"], a_tok_M=a["tok_M"], **o),
+  }
+
+
+def unfused_steps(backend):
+  """step → f(inputs) as the plain path runs it: rows gathered, the backend's grouped matmuls, XLA's elementwise."""
+  gmm = functools.partial(get_backend(backend), **matmul_options(jnp.bfloat16))
+
+  def gate_up(a):
+    gate, up = jnp.split(gmm(a["x_TD"][a["tok_M"]], a["w_gate_up_LDU"], a["sizes_L"]), 2, axis=1)
+    return (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+
+  def down_grad(a):
+    dy_MD = a["dy_TD"][a["tok_M"]]
+    h_shape = (dy_MD.shape[0], a["w_down_LFD"].shape[1])
+    _, input_grad = jax.vjp(lambda h: gmm(h, a["w_down_LFD"], a["sizes_L"]), jnp.zeros(h_shape, jnp.bfloat16))
+    (dh,) = input_grad(dy_MD.astype(jnp.float32))
+    gate, up = jnp.split(a["gate_up_MU"].astype(jnp.float32), 2, axis=1)
+    d_gate, d_up, hw, dw = fk.swiglu_grads(dh.astype(jnp.float32), gate, up, a["weight_M"][:, None], jnp.bfloat16)
+    return jnp.concatenate([d_gate, d_up], axis=1).astype(jnp.bfloat16), hw.astype(jnp.bfloat16), dw
+
+  def weight_grad(lhs_MI, w_LIO, d_out_MO, sizes_L):
+    _, grad = jax.vjp(lambda w: gmm(lhs_MI, w, sizes_L), w_LIO)
+    return grad(d_out_MO.astype(jnp.float32))[0]
+
+  return {
+      "gate_up": gate_up, "down_grad": down_grad,
+      "w_down": lambda a: weight_grad(a["gate_up_MU"][:, :a["w_down_LFD"].shape[1]], a["w_down_LFD"],
+                                      a["dy_TD"][a["tok_M"]], a["sizes_L"]),
+      "w_gate_up": lambda a: weight_grad(a["x_TD"][a["tok_M"]], a["w_gate_up_LDU"], a["gate_up_MU"], a["sizes_L"]),
+  }
+
+
+def _seconds(f, inputs, iters):
+  jax.block_until_ready(f(inputs))  # compile and warm up
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = f(inputs)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters
+
+
+def measure(shape, backend, iters):
+  tokens, rows, groups, width, ffn = SHAPES[shape]
+  inputs = _inputs(tokens, rows, groups, width, ffn)
+  on_gpu = jax.default_backend() == "gpu"
+  options = dict(interpret=False) if on_gpu else dict(interpret=True, tiles=fk.Tiles(16, 16, 16))
+  fused, unfused = fused_steps(options), unfused_steps(backend)
+  flops = {"gate_up": 4, "down_grad": 2, "w_down": 2, "w_gate_up": 4}
+  out = []
+  for step in STEPS:
+    f_s, u_s = (_seconds(jax.jit(steps[step]), inputs, iters) for steps in (fused, unfused))
+    tflop = flops[step] * rows * width * ffn / 1e12
+    out.append(dict(shape=shape, step=step, rows=rows, groups=groups, fused_ms=1e3 * f_s, unfused_ms=1e3 * u_s,
+                    fused_tflops=tflop / f_s, unfused_tflops=tflop / u_s, backend=backend))
+  return out
+
+
+def render(rows, meta):
+  lines = [f"# {meta['command']}\n#   {meta['machine']}, jax {meta['jax']}, python {meta['python']}",
+           "| shape | step | M | L | fused ms | unfused ms | fused TFLOP/s | unfused TFLOP/s | speedup |",
+           "|" + "---|" * 9]
+  for r in rows:
+    lines.append(f"| {r['shape']} | {r['step']} | {r['rows']} | {r['groups']} | {r['fused_ms']:.3f} | "
+                 f"{r['unfused_ms']:.3f} | {r['fused_tflops']:.0f} | {r['unfused_tflops']:.0f} | "
+                 f"{r['unfused_ms'] / r['fused_ms']:.2f} |")
+  first = [r for r in rows if r["shape"] == rows[0]["shape"]]
+  fused, unfused = (sum(r[k] for r in first) for k in ("fused_ms", "unfused_ms"))
+  lines.append(f"summary: fused_expert gpu={meta['device_kind'].replace(' ', '_')} shape={rows[0]['shape']} "
+               f"fused_ms={fused:.2f} unfused_ms={unfused:.2f} speedup={unfused / fused:.2f}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", default="ring_of_one,ep8_hop")
+  parser.add_argument("--backend", default="auto", help="the unfused steps' grouped-matmul backend")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--out", default=os.path.join(harness.RESULTS, "fused_expert.json"))
+  args = parser.parse_args(argv)
+  backend = resolve_backend(args.backend)
+  rows = [r for shape in args.shapes.split(",") for r in measure(shape, backend, args.iters)]
+  meta = dict(command=harness.command_line("fused_expert", argv), **harness.machine(jax))
+  harness.write_json(dict(meta=meta, rows=rows), args.out)
+  print(harness.write_table(render(rows, meta), args.out))
+
+
+if __name__ == "__main__":
+  main()
