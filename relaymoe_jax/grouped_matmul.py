@@ -11,7 +11,7 @@ zeros in rows past sum(sizes_L) (the interface: `grouped_kernels.GroupedMatmul`)
 The rings' hops also take a fused expert path (`fused_expert.py`) by name; its other grouped matmuls (and every
 other caller's) run on the backend FUSED_BACKENDS names:
   fused_triton      Pallas Triton kernels that read rows by token index, SwiGLU in their epilogues (NVIDIA GPUs).
-  fused_reference   the same kernels through Pallas's interpreter (anywhere; slow: for tests).
+  fused_reference   the same path on `lax` references of the three kernels (anywhere: the tests).
 Shape letters: see relaymoe_jax.
 """
 
