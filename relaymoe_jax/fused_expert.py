@@ -28,10 +28,10 @@ def _kernels(backend):
   return fused_kernels.REFERENCE if backend == "fused_reference" else fused_kernels.TRITON
 
 
-def takes(backend, rows, width, ffn):
-  """Whether the fused kernels take this chunk (rows × D experts of FFN width F); else the hop gathers its rows
-  and runs the backend's plain grouped matmuls (logged once per shape)."""
-  reason = fused_kernels.unsupported(rows, width, ffn, _kernels(backend).options["tiles"])
+def takes(backend, rows, width, ffn, dtype):
+  """Whether the fused kernels take this chunk (rows × D of `dtype`, experts of FFN width F); else the hop gathers
+  its rows and runs the backend's plain grouped matmuls (logged once per reason)."""
+  reason = _kernels(backend).unsupported(rows, width, ffn, dtype)
   if reason:
     _log_fallback(backend, reason)
   return reason is None

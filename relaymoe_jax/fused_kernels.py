@@ -286,25 +286,30 @@ def reference_weight_grad(a_NI, b_NO, sizes_L, a_tok_M=None, b_tok_M=None, **_):
 
 
 class KernelSet(NamedTuple):
-  """The three kernels of one implementation, called with `options`."""
+  """The three kernels of one implementation, called with `options`, for inputs of `dtypes` (None: any)."""
 
   gate_up_swiglu: Callable
   down_grad: Callable
   weight_grad: Callable
   options: dict
+  dtypes: tuple | None
+
+  def unsupported(self, rows, width, ffn, dtype):
+    """None, or why these kernels cannot take `rows` of width D (`width`) for experts of FFN width `ffn`."""
+    if self.dtypes is not None and jnp.dtype(dtype) not in self.dtypes:
+      return f"dtype {jnp.dtype(dtype)} (these kernels take {' or '.join(map(str, self.dtypes))})"
+    t = self.options["tiles"]
+    # Rows and widths against each kernel's tiles: the weight gradients' outputs are D × 2F and F × D.
+    checks = (("rows", rows, t.block_m), ("D", width, t.block_k), ("F", ffn, t.block_n), ("D", width, t.block_m),
+              ("D", width, t.block_n), ("F", ffn, t.block_m))
+    for what, n, block in checks:
+      if n % block:
+        return f"{what}={n} is not a multiple of {block}"
+    return None
 
 
-TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, dict(tiles=DEFAULT_TILES))
+# float32 would run as TF32 in Triton's dot: such steps keep the plain path, as the Mosaic kernels do.
+TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, dict(tiles=DEFAULT_TILES),
+                   (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 REFERENCE = KernelSet(reference_gate_up_swiglu, reference_down_grad, reference_weight_grad,
-                      dict(tiles=Tiles(block_m=8, block_n=8, block_k=8)))
-
-
-def unsupported(rows, width, ffn, tiles=DEFAULT_TILES):
-  """None, or why these kernels cannot take rows × width (D) experts of FFN width `ffn` with `tiles`."""
-  checks = {"rows": (rows, tiles.block_m), "D": (width, tiles.block_k), "F": (ffn, tiles.block_n),
-            "D (as weight-gradient rows)": (width, tiles.block_m), "F (as weight-gradient columns)":
-            (ffn, tiles.block_n)}
-  for what, (n, block) in checks.items():
-    if n % block:
-      return f"{what}={n} is not a multiple of {block}"
-  return None
+                      dict(tiles=Tiles(block_m=8, block_n=8, block_k=8)), None)

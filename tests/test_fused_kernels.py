@@ -29,7 +29,8 @@ def _inputs(seed=0):
   groups = len(SIZES)
   return dict(
       x_TD=jax.random.normal(k[0], (TOKENS, D)), dy_TD=jax.random.normal(k[1], (TOKENS, D)),
-      w_gate_up_LDU=jax.random.normal(k[2], (groups, D, 2 * F)) / 4, w_down_LFD=jax.random.normal(k[3], (groups, F, D)) / 4,
+      w_gate_up_LDU=jax.random.normal(k[2], (groups, D, 2 * F)) / 4,
+      w_down_LFD=jax.random.normal(k[3], (groups, F, D)) / 4,
       tok_M=jax.random.randint(k[4], (ROWS,), 0, TOKENS), weight_M=jax.random.uniform(k[5], (ROWS,)),
       gate_up_MU=jax.random.normal(k[6], (ROWS, 2 * F)), sizes_L=jnp.array(SIZES, jnp.int32))
 
@@ -122,7 +123,10 @@ def test_the_kernels_lower_for_nvidia_gpus_at_the_qwen3_layer_shape():
   s = jax.ShapeDtypeStruct
   bf16, i32 = jnp.bfloat16, jnp.int32
   tokens, width, ffn, groups, rows = 4096, 2048, 768, 16, 8192
-  assert fk.unsupported(rows, width, ffn) is None
+  assert fk.TRITON.unsupported(rows, width, ffn, bf16) is None
+  assert fk.TRITON.unsupported(rows, width, ffn, jnp.float32) == (
+      "dtype float32 (these kernels take bfloat16 or float16)")
+  assert fk.TRITON.unsupported(rows, width, 700, bf16) == "F=700 is not a multiple of 64"
   tok, sizes = s((rows,), i32), s((groups,), i32)
   cases = [
       (functools.partial(fk.gate_up_swiglu, outputs=("h", "gate_up")),
