@@ -190,11 +190,13 @@ def _hopper_or_skip():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"keep_gate_up": True}])
-def test_fused_triton_matches_the_oracle_on_a_gpu(options):
-  """bf16 on the ring of one (every expert on the GPU), rows in 128-row tiles."""
+def test_fused_triton_matches_the_oracle_on_a_gpu(options, monkeypatch):
+  """bf16 on the ring of one (every expert on the GPU): one chunk of 1024 rows in 128-row tiles, on the fused path."""
   _hopper_or_skip()
+  calls = _count_fused_chunks(monkeypatch)
   layer = random_layer(25, 512, 256, 128, 8, 2, dtype=jnp.bfloat16)
   assert_matches_oracle(layer, mesh_of((1,), E_ONLY), BF16_RTOL, "ring_expert", backend="fused_triton", **options)
+  assert {"expert_swiglu", "expert_swiglu_backward"} <= set(calls)
 
 
 def test_bfloat16_on_the_fused_path_matches_the_oracle():
