@@ -1,6 +1,6 @@
 """The fused expert kernels against the unfused steps they replace, kernel by kernel, on one GPU.
 
-    python -m benchmarks.fused_expert [--shapes ring_of_one,ep8_hop] [--iters 10] [--out ...]
+    python -m benchmarks.fused_expert [--shapes ring_of_one,ep8_hop] [--iters 10] [--tune] [--out ...]
 
 Per shape (M top-k rows of T tokens over L experts; Qwen3-30B's D 2048 and F 768), bf16, random token ids and
 group sizes, each step of a hop's SwiGLU expert timed both ways:
@@ -10,12 +10,17 @@ group sizes, each step of a hop's SwiGLU expert timed both ways:
   w_down     fused `weight_grad`    | unfused: dy's row gather, the weight-gradient grouped matmul
   w_gate_up  fused `weight_grad`    | unfused: x's row gather, the weight-gradient grouped matmul
 The unfused steps run `--backend` (default: mosaic_gpu on Hopper GPUs, else xla); elsewhere than a GPU the fused
-kernels run in Pallas's interpreter (`--shapes tiny`: what the tests run). Prints a table, writes JSON; the summary
-line sums the four steps of the first shape.
+kernels run in Pallas's interpreter (`--shapes tiny`: what the tests run). `--tune` first times each candidate of
+TUNE_SEARCH on the four fused steps of each shape and writes the fastest per D×F into
+`relaymoe_jax/fused_tiles.json` (the first shape of a D×F decides). Prints a table, writes JSON; the summary line
+sums the four steps of the first shape.
 """
 
 import argparse
+import dataclasses
 import functools
+import itertools
+import json
 import os
 import time
 
@@ -89,6 +94,38 @@ def unfused_steps(backend):
   }
 
 
+# block_m, block_n, block_k, num_warps, num_stages
+TUNE_SEARCH = ((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
+
+
+def tune(shape, iters):
+  """The fastest candidate tiles for the four fused steps of `shape`, written into the tiles file."""
+  tokens, rows, groups, width, ffn = SHAPES[shape]
+  inputs = _inputs(tokens, rows, groups, width, ffn)
+  interpret = jax.default_backend() != "gpu"  # elsewhere the search runs in the interpreter (the test's)
+  best = None
+  for values in itertools.product(*TUNE_SEARCH):
+    tiles = fk.Tiles(*values)
+    kernels = fk.TRITON._replace(tiles_for=lambda w, f, tiles=tiles: tiles)
+    if kernels.unsupported(rows, width, ffn, jnp.bfloat16):
+      continue
+    try:
+      steps = fused_steps(dict(tiles=tiles, interpret=interpret))
+      seconds = sum(_seconds(jax.jit(f), inputs, iters) for f in steps.values())
+    except Exception as e:  # noqa: BLE001  (a candidate Triton rejects, e.g. out of shared memory, is skipped)
+      print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+      continue
+    print(f"  {tiles}: {1e3 * seconds:.3f} ms", flush=True)
+    if best is None or seconds < best[0]:
+      best = (seconds, tiles)
+  if best is None:
+    raise SystemExit(f"no tiles of TUNE_SEARCH run the fused kernels at {shape}")
+  table = dict(fk.tuned_tiles(), **{f"{width}x{ffn}": dataclasses.asdict(best[1])})
+  fk.TILES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+  fk.tuned_tiles.cache_clear()
+  print(f"tuned {shape} ({width}x{ffn}): {best[1]} {1e3 * best[0]:.3f} ms", flush=True)
+
+
 def _seconds(f, inputs, iters):
   jax.block_until_ready(f(inputs))  # compile and warm up
   start = time.perf_counter()
@@ -102,7 +139,7 @@ def measure(shape, backend, iters):
   tokens, rows, groups, width, ffn = SHAPES[shape]
   inputs = _inputs(tokens, rows, groups, width, ffn)
   on_gpu = jax.default_backend() == "gpu"
-  options = dict(interpret=False) if on_gpu else dict(interpret=True, tiles=fk.Tiles(16, 16, 16))
+  options = dict(tiles=fk.tiles_for(width, ffn)) if on_gpu else dict(interpret=True, tiles=fk.Tiles(16, 16, 16))
   fused, unfused = fused_steps(options), unfused_steps(backend)
   flops = {"gate_up": 4, "down_grad": 2, "w_down": 2, "w_gate_up": 4}
   out = []
@@ -110,7 +147,8 @@ def measure(shape, backend, iters):
     f_s, u_s = (_seconds(jax.jit(steps[step]), inputs, iters) for steps in (fused, unfused))
     tflop = flops[step] * rows * width * ffn / 1e12
     out.append(dict(shape=shape, step=step, rows=rows, groups=groups, fused_ms=1e3 * f_s, unfused_ms=1e3 * u_s,
-                    fused_tflops=tflop / f_s, unfused_tflops=tflop / u_s, backend=backend))
+                    fused_tflops=tflop / f_s, unfused_tflops=tflop / u_s, backend=backend,
+                    tiles=dataclasses.asdict(options["tiles"])))
   return out
 
 
@@ -134,9 +172,13 @@ def main(argv=None):
   parser.add_argument("--shapes", default="ring_of_one,ep8_hop")
   parser.add_argument("--backend", default="auto", help="the unfused steps' grouped-matmul backend")
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--tune", action="store_true", help="tune the tiles of each shape's D×F first (GPU)")
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "fused_expert.json"))
   args = parser.parse_args(argv)
   backend = resolve_backend(args.backend)
+  if args.tune:
+    for shape in dict.fromkeys(args.shapes.split(",")):
+      tune(shape, max(1, args.iters // 5))
   rows = [r for shape in args.shapes.split(",") for r in measure(shape, backend, args.iters)]
   meta = dict(command=harness.command_line("fused_expert", argv), **harness.machine(jax))
   harness.write_json(dict(meta=meta, rows=rows), args.out)

@@ -48,7 +48,8 @@ def expert_swiglu(x_TD, tok_R, w_gate_up_LDU, w_down_LFD, sizes_L, *, backend, k
   asked."""
   kernels = _kernels(backend)
   outputs = ("h", "gate_up") if keep_gate_up else ("h",)
-  h_RF, *gate_up = kernels.gate_up_swiglu(x_TD, tok_R, w_gate_up_LDU, sizes_L, outputs=outputs, **kernels.options)
+  tiles = kernels.tiles_for(x_TD.shape[1], w_down_LFD.shape[1])
+  h_RF, *gate_up = kernels.gate_up_swiglu(x_TD, tok_R, w_gate_up_LDU, sizes_L, outputs=outputs, tiles=tiles)
   y_RD = get_backend(backend)(h_RF, w_down_LFD, sizes_L, **matmul_options(x_TD.dtype))
   return y_RD, (gate_up[0] if gate_up else None)
 
@@ -58,7 +59,7 @@ def expert_swiglu_backward(x_TD, tok_R, w_gate_up_LDU, w_down_LFD, sizes_L, dy_T
   """(dx_RD, dw_R, dw_gate_up_LDU, dw_down_LFD), float32, as `grouped_matmul.expert_swiglu_backward` of the rows
   x[tok_R] and dy[tok_R]: five grouped matmuls (four given the forward's `gate_up_RU`), none on gathered copies."""
   kernels = _kernels(backend)
-  options = kernels.options
+  options = dict(tiles=kernels.tiles_for(x_TD.shape[1], w_down_LFD.shape[1]))
   if gate_up_RU is None:
     (gate_up_RU,) = kernels.gate_up_swiglu(x_TD, tok_R, w_gate_up_LDU, sizes_L, outputs=("gate_up",), **options)
   d_gate_up_RU, hw_RF, dw_R = kernels.down_grad(dy_TD, tok_R, w_down_LFD, gate_up_RU, w_R, sizes_L, **options)

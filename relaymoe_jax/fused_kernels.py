@@ -19,6 +19,8 @@ Triton for NVIDIA GPUs. Shape letters: see relaymoe_jax.
 
 import dataclasses
 import functools
+import json
+import pathlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -41,6 +43,7 @@ class Tiles:
 
 
 DEFAULT_TILES = Tiles()
+TILES_FILE = pathlib.Path(__file__).with_name("fused_tiles.json")
 
 
 class Visits(NamedTuple):
@@ -285,20 +288,33 @@ def reference_weight_grad(a_NI, b_NO, sizes_L, a_tok_M=None, b_tok_M=None, **_):
                                     preferred_element_type=jnp.float32).astype(a_NI.dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def tuned_tiles():
+  return json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
+
+
+def tiles_for(width, ffn):
+  """The tiles for experts of width D and FFN width F: `fused_tiles.json`'s (written by `python -m
+  benchmarks.fused_expert --tune`), else DEFAULT_TILES."""
+  tuned = tuned_tiles().get(f"{width}x{ffn}")
+  return Tiles(**tuned) if tuned else DEFAULT_TILES
+
+
 class KernelSet(NamedTuple):
-  """The three kernels of one implementation, called with `options`, for inputs of `dtypes` (None: any)."""
+  """The three kernels of one implementation, for inputs of `dtypes` (None: any), each called with
+  tiles=tiles_for(D, F)."""
 
   gate_up_swiglu: Callable
   down_grad: Callable
   weight_grad: Callable
-  options: dict
+  tiles_for: Callable
   dtypes: tuple | None
 
   def unsupported(self, rows, width, ffn, dtype):
     """None, or why these kernels cannot take `rows` of width D (`width`) for experts of FFN width `ffn`."""
     if self.dtypes is not None and jnp.dtype(dtype) not in self.dtypes:
       return f"dtype {jnp.dtype(dtype)} (these kernels take {' or '.join(map(str, self.dtypes))})"
-    t = self.options["tiles"]
+    t = self.tiles_for(width, ffn)
     # Rows and widths against each kernel's tiles: the weight gradients' outputs are D × 2F and F × D.
     checks = (("rows", rows, t.block_m), ("D", width, t.block_k), ("F", ffn, t.block_n), ("D", width, t.block_m),
               ("D", width, t.block_n), ("F", ffn, t.block_m))
@@ -309,7 +325,7 @@ class KernelSet(NamedTuple):
 
 
 # float32 would run as TF32 in Triton's dot: such steps keep the plain path, as the Mosaic kernels do.
-TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, dict(tiles=DEFAULT_TILES),
-                   (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, tiles_for, (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+# The references take any tiles; these small ones make the hop tests' chunks take the fused path as the kernels would.
 REFERENCE = KernelSet(reference_gate_up_swiglu, reference_down_grad, reference_weight_grad,
-                      dict(tiles=Tiles(block_m=8, block_n=8, block_k=8)), None)
+                      lambda width, ffn: Tiles(block_m=8, block_n=8, block_k=8), None)

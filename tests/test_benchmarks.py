@@ -15,6 +15,7 @@ import relaymoe_jax as rm
 from benchmarks import (capacity, cp_attention, fused_expert, grouped_gemm, harness, moe_layer, moe_layer_worker,
                         train_compare)
 from benchmarks.ep8_summary import ep8_summary
+from relaymoe_jax import fused_kernels as fk
 from benchmarks.trace_summary import collective_timeline, kernel_times
 
 
@@ -372,3 +373,18 @@ def test_fused_expert_times_each_step_both_ways_and_writes_its_summary(tmp_path)
   assert all(r["fused_ms"] > 0 and r["unfused_ms"] > 0 and r["backend"] == "xla" for r in rows)
   summary = out.with_suffix(".txt").read_text().splitlines()[-1]
   assert summary.startswith("summary: fused_expert gpu=cpu shape=tiny fused_ms="), summary
+
+
+@pytest.mark.slow  # 4 s on 2 cores; CI's second step runs it
+def test_fused_expert_tune_keeps_the_fastest_tiles_per_shape(tmp_path, monkeypatch):
+  """In the interpreter here: each candidate is timed, the fastest lands in the tiles file under D×F, and the
+  kernels read it from there."""
+  monkeypatch.setattr(fk, "TILES_FILE", tmp_path / "fused_tiles.json")
+  monkeypatch.setattr(fused_expert, "TUNE_SEARCH", ((8, 16), (16,), (16,), (4,), (3,)))
+  fk.tuned_tiles.cache_clear()
+  try:
+    fused_expert.tune("tiny", iters=1)
+    tuned = json.loads((tmp_path / "fused_tiles.json").read_text())["32x32"]
+    assert tuned["block_m"] in (8, 16) and fk.tiles_for(32, 32) == fk.Tiles(**tuned)
+  finally:
+    fk.tuned_tiles.cache_clear()
