@@ -151,6 +151,32 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
       loop.run(dataclasses.replace(config, seq_len=64), overwrite=True)
 
 
+def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):
+  """A new run directory with the same configuration reads the machine's cached plan (and records it) instead of
+  planning; a cache that cannot be written costs a warning, not the run."""
+  budget = between(uniform, 0.6)
+  config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(budget),
+                               compilation_cache_dir=str(tmp_path / "xla"), out_dir=str(tmp_path / "a"))
+  first, plan, _ = planning.resolve_remat(config)
+  (cached,) = (tmp_path / "xla" / "relaymoe-plans").iterdir()
+
+  def no_planning(*args, **kwargs):
+    raise AssertionError("planned again")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(planning.Planner, "plan", no_planning)
+    again, replan, step = planning.resolve_remat(dataclasses.replace(config, out_dir=str(tmp_path / "b")))
+  assert (again.runtime, replan, step) == (first.runtime, plan, None)
+  assert f"planned before for this configuration ({cached})" in capsys.readouterr().out
+  assert json.loads((tmp_path / "b" / "remat_plan.json").read_text()) == json.loads(cached.read_text())
+
+  (tmp_path / "blocked").write_text("a file where the cache's directory would be")
+  config = dataclasses.replace(config, compilation_cache_dir=str(tmp_path / "blocked"), out_dir=str(tmp_path / "c"))
+  assert planning.resolve_remat(config)[1] == plan
+  assert "warning: the plan was not cached for other run directories" in capsys.readouterr().out
+  assert (tmp_path / "c" / "remat_plan.json").exists()
+
+
 @pytest.mark.slow  # three compiles afresh
 def test_the_uniform_policies_compile_at_once_where_the_host_has_cores(uniform, monkeypatch):
   """With cores to spare the first compiles run in threads: the same plan and bytes as compiled one by one."""

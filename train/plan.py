@@ -26,7 +26,7 @@ from relaymoe_jax.chunks import default_chunk_rows
 from train.compile import StepDoesNotFit, compile_step, device_limit_bytes, memory_plan
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
-from train.plan_record import PLAN_FILE, Plan, plan_key, store_plan, stored_plan
+from train.plan_record import PLAN_FILE, Plan, cached_plan_path, plan_key, store_plan, stored_plan
 from train.metrics import log_on_process_0, peak_tflops, size
 from train.sources import model_config_for
 from train.step import layer_forward_flops
@@ -332,11 +332,14 @@ def resolve_remat(run_config):
   planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
   path = pathlib.Path(run_config.out_dir) / PLAN_FILE
   key = plan_key(run_config, model_config_for(run_config), planner.budget_bytes)
-  plan = stored_plan(path, key)
-  if plan:
-    log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
-                     f"{size(plan.budget_bytes)}), planned before for this configuration ({path})")
-    return apply_plan(run_config, plan), plan, None
+  cached = cached_plan_path(run_config, key)
+  for where in filter(None, (path, cached)):
+    plan = stored_plan(where, key)
+    if plan:
+      log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
+                       f"{size(plan.budget_bytes)}), planned before for this configuration ({where})")
+      _record(plan, key, path, cached)
+      return apply_plan(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
@@ -344,9 +347,22 @@ def resolve_remat(run_config):
                          f"{size(plan.budget_bytes)}. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
-  if jax.process_index() == 0:
-    store_plan(path, key, plan)
+  _record(plan, key, path, cached)
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
+
+
+def _record(plan, key, path, cached=None):
+  """Keeps the plan in the run directory and, where given, this machine's plan cache: a cache that cannot be
+  written costs a warning, not the run."""
+  if jax.process_index() != 0:
+    return
+  store_plan(path, key, plan)
+  if cached is None:
+    return
+  try:
+    store_plan(cached, key, plan)
+  except OSError as e:
+    log_on_process_0(f"warning: the plan was not cached for other run directories ({cached}: {e.strerror or e})")
 
 
 def _quiet(*_):

@@ -1,10 +1,12 @@
 """A remat plan (per layer, what backward recomputes, and the ring options the planner chose) with the bytes it
-compiled to, and its record in the run directory: a rerun or `--resume` of the same configuration on the same
-devices and code reads it instead of planning again."""
+compiled to, and its records: in the run directory, and beside JAX's compilation cache (`cached_plan_path`), so
+that a rerun, a `--resume` or a new run of the same configuration on the same devices and code reads it instead of
+planning again."""
 
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 
 import jax
@@ -55,6 +57,17 @@ def plan_key(run_config, model_config, budget):
               model=dataclasses.asdict(model_config), budget=budget, jax=jax.__version__,
               devices=[len(devices), devices[0].device_kind], code=code.hexdigest())
   return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+PLAN_CACHE = "relaymoe-plans"  # under the compilation cache dir (JAX's cache reads only its own "*-cache" files)
+
+
+def cached_plan_path(run_config, key):
+  """Where this machine keeps the plan of `key` for any run directory: under the run's compilation cache dir
+  (None without one: nothing else is cached either)."""
+  if not run_config.compilation_cache_dir:
+    return None
+  return pathlib.Path(os.path.expanduser(run_config.compilation_cache_dir)) / PLAN_CACHE / f"{key}.json"
 
 
 def stored_plan(path, key):
