@@ -120,7 +120,7 @@ def _gate_up_visit(tok_ref, x_ref, w_ref, *out_refs, first, group, valid, n, til
   tok = plt.load(tok_ref.at[rows], mask=valid, other=0)
   gate_cols, up_cols = pl.ds(n * tiles.block_n, tiles.block_n), pl.ds(ffn + n * tiles.block_n, tiles.block_n)
   gate, up = _gathered_matmul(x_ref, tok, w_ref, group, (gate_cols, up_cols), tiles.block_k, width)
-  mask = valid[:, None]
+  mask = jnp.broadcast_to(valid[:, None], (tiles.block_m, tiles.block_n))  # Triton masks match their values
   if "h" in out:
     plt.store(out["h"].at[rows, gate_cols], (_silu(gate) * up).astype(out["h"].dtype), mask=mask)
   if "gate_up" in out:
@@ -167,7 +167,7 @@ def _down_grad_visit(tok_ref, dy_ref, w_ref, gate_up_ref, weight_ref, d_gate_up_
   tok = plt.load(tok_ref.at[rows], mask=valid, other=0)
   gate_cols, up_cols = pl.ds(n * tiles.block_n, tiles.block_n), pl.ds(ffn + n * tiles.block_n, tiles.block_n)
   (dh,) = _gathered_matmul(dy_ref, tok, w_ref, group, (gate_cols,), tiles.block_k, width, transpose_w=True)
-  mask = valid[:, None]
+  mask = jnp.broadcast_to(valid[:, None], (tiles.block_m, tiles.block_n))  # Triton masks match their values
   gate = plt.load(gate_up_ref.at[rows, gate_cols], mask=mask, other=0).astype(jnp.float32)
   up = plt.load(gate_up_ref.at[rows, up_cols], mask=mask, other=0).astype(jnp.float32)
   weight = plt.load(weight_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
