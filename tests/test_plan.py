@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from relaymoe_jax import mosaic_gpu
-from train import cli, loop, plan as planning
+from train import cli, loop, plan as planning, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
@@ -151,13 +151,27 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
       loop.run(dataclasses.replace(config, seq_len=64), overwrite=True)
 
 
+def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_on_it(uniform, monkeypatch):
+  """Where the devices can offload, `offload` in every layer is `layer`'s step less each layer's input (no compile
+  of its own). On CPU offloading saves nothing, so the estimate is optimistic here: a budget only it fits gets the
+  offload step compiled and reported not fitting, never a plan that does not fit."""
+  monkeypatch.setattr(planning, "offload_supported", lambda devices=None: True)
+  roomy = planner_with(between(uniform, 0.6)).plan()
+  assert roomy.fits and "offload" not in roomy.remat
+  assert {"remat": "offload"} not in [what for what, _ in roomy.compiles]
+  assert {"remat": "layer"} in [what for what, _ in roomy.compiles]
+  tight = planner_with(uniform["layer"] - 1).plan()
+  assert not tight.fits and tight.remat == ("offload", "offload") and tight.total_bytes == uniform["layer"]
+  assert [what for what, _ in tight.compiles][-1] == {"remat": "offload"}
+
+
 def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):
   """A new run directory with the same configuration reads the machine's cached plan (and records it) instead of
   planning; a cache that cannot be written costs a warning, not the run."""
   budget = between(uniform, 0.6)
   config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(budget),
                                compilation_cache_dir=str(tmp_path / "xla"), out_dir=str(tmp_path / "a"))
-  first, plan, _ = planning.resolve_remat(config)
+  first, plan, _ = remat_auto.resolve_remat(config)
   (cached,) = (tmp_path / "xla" / "relaymoe-plans").iterdir()
 
   def no_planning(*args, **kwargs):
@@ -165,14 +179,14 @@ def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uni
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(planning.Planner, "plan", no_planning)
-    again, replan, step = planning.resolve_remat(dataclasses.replace(config, out_dir=str(tmp_path / "b")))
+    again, replan, step = remat_auto.resolve_remat(dataclasses.replace(config, out_dir=str(tmp_path / "b")))
   assert (again.runtime, replan, step) == (first.runtime, plan, None)
   assert f"planned before for this configuration ({cached})" in capsys.readouterr().out
   assert json.loads((tmp_path / "b" / "remat_plan.json").read_text()) == json.loads(cached.read_text())
 
   (tmp_path / "blocked").write_text("a file where the cache's directory would be")
   config = dataclasses.replace(config, compilation_cache_dir=str(tmp_path / "blocked"), out_dir=str(tmp_path / "c"))
-  assert planning.resolve_remat(config)[1] == plan
+  assert remat_auto.resolve_remat(config)[1] == plan
   assert "warning: the plan was not cached for other run directories" in capsys.readouterr().out
   assert (tmp_path / "c" / "remat_plan.json").exists()
 
@@ -331,7 +345,7 @@ def test_the_step_lowers_for_gpus_alike_after_other_policies_and_afresh(monkeypa
 
 def test_plan_needs_a_memory_limit_on_cpu():
   with pytest.raises(ValueError, match="cpu devices report no memory limit: set device_memory_gib"):
-    planning.resolve_remat(with_runtime(BASE, remat="auto"))
+    remat_auto.resolve_remat(with_runtime(BASE, remat="auto"))
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from train.config import RunConfig
 from train.data import make_source
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops
-from train.plan import resolve_remat, suggest
+from train.remat_auto import resolve_remat, suggest
 from train.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.rundir import RunDirectory
 from train.sources import initial_params, model_config_for

@@ -16,18 +16,16 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-import pathlib
 
 import jax
 
-from models.qwen3_config import REMAT_AUTO
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.chunks import default_chunk_rows
-from train.compile import StepDoesNotFit, compile_step, device_limit_bytes, memory_plan
+from train.compile import compile_step, device_limit_bytes, memory_plan
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
-from train.plan_record import PLAN_FILE, Plan, cached_plan_path, plan_key, store_plan, stored_plan
-from train.metrics import log_on_process_0, peak_tflops, size
+from train.plan_record import Plan
+from train.metrics import peak_tflops, size
 from train.sources import model_config_for
 from train.step import layer_forward_flops
 
@@ -180,25 +178,54 @@ class Planner:
     fitting, when even that does not fit)."""
     layers = model_config_for(self.run_config).num_hidden_layers
     choices = policies(self.devices)
-    self.prefetch([(p, False) for p in ("none", *choices[:-1])], **changes)
+    frugal = choices[0]
+    self.prefetch([(p, False) for p in ("none", *choices[:-1]) if p != "offload"], **changes)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
       return self._keeping_gate_up(self._result(("none",) * layers, uniform["none"], changes), changes)
-    for policy in choices[:-1]:
-      uniform[policy] = self.measure(policy, **changes)
-    if not self.fits(uniform[choices[0]]):
-      if self.cap_chunks(**changes):
-        return self.plan(**changes)
-      return self._result((choices[0],) * layers, uniform[choices[0]], changes)
+    for policy in sorted(choices[:-1], key=lambda p: p == "offload"):  # offload's estimate needs layer's step
+      estimate = policy == "offload" and self._key(policy, changes) not in self._measured
+      uniform[policy] = self._offloaded(uniform["layer"], changes) if estimate else self.measure(policy, **changes)
+    if not self.fits(uniform[frugal]) and uniform[frugal].get("estimated"):
+      uniform[frugal] = self.measure(frugal, **changes)
+    if not self.fits(uniform[frugal]):
+      return self._not_fitting(frugal, uniform[frugal], changes)
     remat = self._greedy(uniform, layers, changes)
     # The plan and, where the ring may keep gate/up, the same plan keeping it: most often both are compiled.
     keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
     self.prefetch([(remat, False)] + [(remat, True)] * keep, **changes)
     while True:
-      plan = uniform[remat[0]] if len(set(remat)) == 1 else self.measure(remat, **changes)
+      known = uniform[remat[0]] if len(set(remat)) == 1 else {}
+      plan = known if "estimated" not in known and known else self.measure(remat, **changes)
       if self.fits(plan):
         return self._keeping_gate_up(self._result(remat, plan, changes), changes)
+      if remat == (frugal,) * layers:  # only where the frugal step was estimated to fit and does not
+        return self._not_fitting(frugal, plan, changes)
       remat = _step_back(remat, choices)
+
+  def _not_fitting(self, frugal, measured, changes):
+    """Where even `frugal` in every layer (its step `measured`) does not fit: the plan with the ring's chunks
+    capped, where that shrinks them, else that step marked not fitting."""
+    if self.cap_chunks(**changes):
+      return self.plan(**changes)
+    layers = model_config_for(self.run_config).num_hidden_layers
+    return self._result((frugal,) * layers, measured, changes)
+
+  def _offloaded(self, layer_plan, changes):
+    """`offload` in every layer, estimated from `layer` in every layer without a compile of its own: the same step
+    but for each layer's saved input, which moves to host memory. Marked `estimated`: a plan that relies on it is
+    compiled before it is trusted."""
+    moved = model_config_for(self.run_config).num_hidden_layers * self._layer_input_bytes(changes)
+    self.log(f"  offload (estimated: layer's step less {size(moved)} of layer inputs, now in host memory): "
+             f"{size(layer_plan['total_bytes'] - moved)} per device")
+    return dict(layer_plan, remat="offload", total_bytes=layer_plan["total_bytes"] - moved,
+                temp_bytes=layer_plan["temp_bytes"] - moved, estimated=True)
+
+  def _layer_input_bytes(self, changes):
+    """Bytes per device of one layer's input, [tokens per device, D] in the compute dtype."""
+    run = dataclasses.replace(self.run_config, **changes)
+    tokens = run.batch_size * run.seq_len // token_shards(build_mesh(run.mesh, self.devices))
+    return tokens * model_config_for(run).hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
 
   def _keeping_gate_up(self, plan, changes):
     """`plan` with the expert ring keeping its gate/up projections for the backward, where the run can and the
@@ -241,10 +268,9 @@ class Planner:
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
                                                                     for i in range(c.num_hidden_layers))))
     peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
-    layer_input_bytes = tokens * c.hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
     recompute_layer = tokens * (attention + mlp) / peak
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
-            "offload": recompute_layer + 2 * layer_input_bytes / HOST_LINK_BYTES_PER_S}
+            "offload": recompute_layer + 2 * self._layer_input_bytes(changes) / HOST_LINK_BYTES_PER_S}
 
   def _result(self, remat, plan, changes, keep_gate_up=False):
     run = dataclasses.replace(self.run_config, **changes)
@@ -322,63 +348,3 @@ def make_planner(run_config, log=print, devices=None, keep_steps=False):
     raise ValueError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
                      "(e.g. device_memory_gib=132 for 95% of an H200)")
   return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps)
-
-
-def resolve_remat(run_config):
-  """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep or
-  None where the plan was the run directory's); other runs unchanged, with None for both."""
-  if run_config.runtime.remat != REMAT_AUTO:
-    return run_config, None, None
-  planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
-  path = pathlib.Path(run_config.out_dir) / PLAN_FILE
-  key = plan_key(run_config, model_config_for(run_config), planner.budget_bytes)
-  cached = cached_plan_path(run_config, key)
-  for where in filter(None, (path, cached)):
-    plan = stored_plan(where, key)
-    if plan:
-      log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
-                       f"{size(plan.budget_bytes)}), planned before for this configuration ({where})")
-      _record(plan, key, path, cached)
-      return apply_plan(run_config, plan), plan, None
-  plan = planner.plan()
-  if not plan.fits:
-    raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
-                         f"{size(plan.total_bytes)} per device, over the budget of "
-                         f"{size(plan.budget_bytes)}. {_search_hint()}")
-  log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
-                   f"{size(plan.budget_bytes)})")
-  _record(plan, key, path, cached)
-  return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
-
-
-def _record(plan, key, path, cached=None):
-  """Keeps the plan in the run directory and, where given, this machine's plan cache: a cache that cannot be
-  written costs a warning, not the run."""
-  if jax.process_index() != 0:
-    return
-  store_plan(path, key, plan)
-  if cached is None:
-    return
-  try:
-    store_plan(cached, key, plan)
-  except OSError as e:
-    log_on_process_0(f"warning: the plan was not cached for other run directories ({cached}: {e.strerror or e})")
-
-
-def _quiet(*_):
-  pass
-
-
-def suggest(run_config):
-  """What the planner would change so that the run fits, in one sentence (it compiles a few variants)."""
-  plan = make_planner(run_config, log=_quiet).plan()
-  if plan.fits:
-    return (f"With runtime.remat=auto it fits: {plan.summary()}, {size(plan.total_bytes)} per device "
-            f"(`relaymoe-plan` prints the plan).")
-  return (f"Even {plan.remat[0]} in every layer needs {size(plan.total_bytes)} per device. "
-          f"{_search_hint()}")
-
-
-def _search_hint():
-  return ("`relaymoe-plan --config RUN --maximize seq` (or batch) finds the longest sequence (largest micro-batch) "
-          "that fits.")
