@@ -191,13 +191,14 @@ def swiglu_grads(dh, gate, up, weight, dtype):
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def down_grad(dy_TD, tok_M, w_down_LFD, gate_up_MU, weight_M, sizes_L, *, tiles=DEFAULT_TILES, interpret=False):
   """The down projection's input gradient through SwiGLU, for rows weighted by their router weight: with
-  dh = dy[tok]·W_down[l]ᵀ and h = silu(gate)·up (rounded to dy's dtype, as the forward wrote it),
-  (d_gate_up_MU = weight·dh through SwiGLU's derivative, hw_MF = weight·h, dw_M = Σ_F dh·h); the first two in dy's
-  dtype, dw_M float32."""
+  dh = dy[tok]·W_down[l]ᵀ and h = silu(gate)·up (rounded to the weights' dtype, as the forward wrote it),
+  (d_gate_up_MU = weight·dh through SwiGLU's derivative, hw_MF = weight·h, dw_M = Σ_F dh·h); the first two in the
+  weights' dtype (the compute dtype, whatever dy's), dw_M float32."""
   rows, (_, ffn, width) = tok_M.shape[0], w_down_LFD.shape
   visits = group_visits(sizes_L, rows, tiles.block_m)
   blocks = ffn // tiles.block_n
-  out = [jax.ShapeDtypeStruct((rows, 2 * ffn), dy_TD.dtype), jax.ShapeDtypeStruct((rows, ffn), dy_TD.dtype),
+  dtype = w_down_LFD.dtype
+  out = [jax.ShapeDtypeStruct((rows, 2 * ffn), dtype), jax.ShapeDtypeStruct((rows, ffn), dtype),
          jax.ShapeDtypeStruct((rows, blocks), jnp.float32)]
   kernel = functools.partial(_down_grad_kernel, tiles=tiles, width=width, ffn=ffn)
   d_gate_up, hw, dw_MN = _call(kernel, out, (blocks, visits.tile_V.shape[0]), tiles, interpret, *visits, tok_M,
@@ -271,9 +272,10 @@ def reference_down_grad(dy_TD, tok_M, w_down_LFD, gate_up_MU, weight_M, sizes_L,
   """`down_grad` in lax on gathered rows."""
   dh = _ragged(dy_TD[tok_M].astype(w_down_LFD.dtype), jnp.swapaxes(w_down_LFD, 1, 2), sizes_L)
   gate, up = jnp.split(gate_up_MU.astype(jnp.float32), 2, axis=1)
-  d_gate, d_up, hw, dw = swiglu_grads(dh, gate, up, weight_M.astype(jnp.float32)[:, None], dy_TD.dtype)
-  return (_past_rows(jnp.concatenate([d_gate, d_up], axis=1).astype(dy_TD.dtype), sizes_L),
-          _past_rows(hw.astype(dy_TD.dtype), sizes_L), _past_rows(dw, sizes_L))
+  dtype = w_down_LFD.dtype
+  d_gate, d_up, hw, dw = swiglu_grads(dh, gate, up, weight_M.astype(jnp.float32)[:, None], dtype)
+  return (_past_rows(jnp.concatenate([d_gate, d_up], axis=1).astype(dtype), sizes_L),
+          _past_rows(hw.astype(dtype), sizes_L), _past_rows(dw, sizes_L))
 
 
 def reference_weight_grad(a_NI, b_NO, sizes_L, a_tok_M=None, b_tok_M=None, **_):
