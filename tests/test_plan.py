@@ -153,16 +153,18 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
 
 def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_on_it(uniform, monkeypatch):
   """Where the devices can offload, `offload` in every layer is `layer`'s step less each layer's input (no compile
-  of its own). On CPU offloading saves nothing, so the estimate is optimistic here: a budget only it fits gets the
-  offload step compiled and reported not fitting, never a plan that does not fit."""
+  of its own). Below `layer`'s step only offloading can fit: the plan's bytes are then a compile's, never the
+  estimate's. (On CPU with JAX 0.10 offloading saves nothing, so the estimate is optimistic and the uniform offload
+  step is compiled and reported not fitting; with JAX 0.11 a mixed plan with an offloaded layer fits.)"""
   monkeypatch.setattr(planning, "offload_supported", lambda devices=None: True)
   roomy = planner_with(between(uniform, 0.6)).plan()
   assert roomy.fits and "offload" not in roomy.remat
   assert {"remat": "offload"} not in [what for what, _ in roomy.compiles]
   assert {"remat": "layer"} in [what for what, _ in roomy.compiles]
-  tight = planner_with(uniform["layer"] - 1).plan()
-  assert not tight.fits and tight.remat == ("offload", "offload") and tight.total_bytes == uniform["layer"]
-  assert [what for what, _ in tight.compiles][-1] == {"remat": "offload"}
+  budget = uniform["layer"] - 1
+  tight = planner_with(budget).plan()
+  assert "offload" in tight.remat and tight.fits == (tight.total_bytes <= budget), tight
+  assert tight.total_bytes in [total for _, total in tight.compiles], "the plan's bytes are a compile's"
 
 
 def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):
