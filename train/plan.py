@@ -2,9 +2,10 @@
 step's memory, and the longest sequence or largest micro-batch that fits.
 
 Every number comes from XLA's buffer assignment of the real train step compiled from shapes alone
-(`train.compile.memory_plan`: nothing is allocated). The plan starts from the most frugal choice for every layer
-(`offload` where the device has host memory to offload to, else `layer`), compiles the step once per uniform
-policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
+(`train.compile.memory_plan`: nothing is allocated), but one estimate: `offload` in every layer, taken as `layer`'s
+step less the layer inputs it moves to the host, and compiled only where a plan relies on it. The plan starts from
+the most frugal choice for every layer (`offload` where the device has host memory to offload to, else `layer`),
+compiles the step once per uniform policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
 until the budget is spent, as the paper does; the chosen plan is compiled once more to confirm it fits (and
 stepped back while it does not). Time saved is estimated from the model's FLOPs (`train.step.layer_forward_flops`)
 at the device's peak and, for `offload`, the layer input's round trip over the host link. Where the expert ring's
