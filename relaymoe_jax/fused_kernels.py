@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from relaymoe_jax.grouped_kernels import fill_past_groups
 from relaymoe_jax.layout import vary_like, varying_axes
 
 
@@ -251,8 +252,7 @@ def weight_grad(a_NI, b_NO, sizes_L, a_tok_M=None, b_tok_M=None, *, tiles=DEFAUL
 
 def _past_rows(x_M, sizes_L):
   """NaN in rows past sum(sizes): the references leave garbage there, as the kernels may."""
-  valid = jnp.arange(x_M.shape[0]) < jnp.sum(sizes_L)
-  return jnp.where(valid.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.nan)
+  return fill_past_groups(x_M, sizes_L, jnp.nan)
 
 
 def _ragged(lhs_MI, rhs_LIO, sizes_L):

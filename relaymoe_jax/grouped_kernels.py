@@ -50,10 +50,16 @@ class GroupedKernels:
   unsupported: Callable
 
 
+def fill_past_groups(x_M, sizes_L, value):
+  """x with `value` in its rows past sum(sizes_L): zeros where kernels left garbage there, NaN where a reference
+  stands in for such a kernel."""
+  valid = jnp.arange(x_M.shape[0]) < jnp.sum(sizes_L)
+  return jnp.where(valid.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.asarray(value, x_M.dtype))
+
+
 def _rows_in_groups(x_M, sizes_L):
   """Zeros in rows past sum(sizes): kernels leave garbage there (NaN would leak into dx)."""
-  valid = jnp.arange(x_M.shape[0]) < jnp.sum(sizes_L)
-  return jnp.where(valid.reshape((-1,) + (1,) * (x_M.ndim - 1)), x_M, jnp.zeros((), x_M.dtype))
+  return fill_past_groups(x_M, sizes_L, 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax import mosaic_gpu
-from relaymoe_jax.grouped_kernels import GroupedKernels, GroupedMatmul, kernel_backend, xla_ragged_dot
+from relaymoe_jax.grouped_kernels import (GroupedKernels, GroupedMatmul, fill_past_groups, kernel_backend,
+                                          xla_ragged_dot)
 from relaymoe_jax.layout import vary_like, varying_axes
 
 
@@ -41,14 +42,10 @@ def _scan_ragged_dot(lhs_MI, rhs_LIO, sizes_L, *, preferred_element_type, precis
   return jax.lax.scan(one_group, acc_MO, jnp.arange(rhs_LIO.shape[0]))[0]
 
 
-def _garbage_past_groups(x, sizes_L):
-  return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(sizes_L))[:, None], x, jnp.nan)
-
-
 def _reference_dot(lhs_MI, rhs_LIO, sizes_L):
   out_MO = jax.lax.ragged_dot(lhs_MI, rhs_LIO, sizes_L, precision=jax.lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
-  return _garbage_past_groups(out_MO.astype(lhs_MI.dtype), sizes_L)
+  return fill_past_groups(out_MO.astype(lhs_MI.dtype), sizes_L, jnp.nan)
 
 
 def _reference_lhs_grad(d_out_MO, rhs_LIO, sizes_L):
