@@ -42,10 +42,10 @@ def shared_compiles():
   compiled = {}
   original = loop.compile_step
 
-  def compile_once(run_config, devices=None):
+  def compile_once(run_config, devices=None, memory_only=False):  # on CPU a memory-only step is the same step
     key = repr(dataclasses.replace(run_config, **{f: getattr(BASE, f) for f in NOT_COMPILED}))
     if key not in compiled:
-      compiled[key] = original(run_config, devices)
+      compiled[key] = original(run_config, devices, memory_only=memory_only)
     return compiled[key]
 
   with pytest.MonkeyPatch.context() as patch:
@@ -165,6 +165,24 @@ def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_o
   tight = planner_with(budget).plan()
   assert "offload" in tight.remat and tight.fits == (tight.total_bytes <= budget), tight
   assert tight.total_bytes in [total for _, total in tight.compiles], "the plan's bytes are a compile's"
+
+
+def test_steps_compiled_for_their_memory_skip_the_gpu_autotuner_and_only_cpu_ones_are_kept_to_run(uniform,
+                                                                                                  monkeypatch):
+  """On GPUs the planner's steps are compiled without XLA's autotuner (their buffers do not depend on it) and the
+  trainer compiles the chosen one again to run; elsewhere the planner's step is the one that runs."""
+  gpu = types.SimpleNamespace(platform="gpu")
+  assert train_compile.memory_only_options([gpu]) == {"xla_gpu_autotune_level": 0}
+  assert train_compile.memory_only_options() is None
+  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None, keep_steps=True)
+  planner.measure("layer")
+  assert planner.compiled_step("layer") is not None
+  asked, memo = [], planning.compile_step
+  monkeypatch.setattr(planning, "compile_step", lambda *a, **k: asked.append(k) or memo(*a, **k))
+  monkeypatch.setattr(planning, "memory_only_options", lambda devices=None: {"xla_gpu_autotune_level": 0})
+  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None, keep_steps=True)
+  planner.measure("layer")
+  assert asked == [{"memory_only": True}] and planner.compiled_step("layer") is None
 
 
 def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):

@@ -64,14 +64,26 @@ class CompiledStep(NamedTuple):
   compile_s: float
 
 
-def compile_step(run_config: RunConfig, devices=None) -> CompiledStep:
+def compile_step(run_config: RunConfig, devices=None, memory_only=False) -> CompiledStep:
   """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
-  --topology`): nothing runs."""
+  --topology`): nothing runs. `memory_only`: a step compiled to learn its memory, never run (`MEMORY_ONLY_OPTIONS`)."""
   traced, graphdef, state, mesh, model_config = trace_step(run_config, devices)
   start = time.perf_counter()
-  compiled = traced.lower().compile()
+  compiled = traced.lower().compile(memory_only_options(devices) if memory_only else None)
   return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,
                       time.perf_counter() - start)
+
+
+# XLA's GPU autotuner compiles and times candidate kernels for each matmul fusion on the device while it compiles,
+# and compiles running at once share the one GPU it times on. Which candidate wins does not change the step's
+# buffers, so a step compiled only for its memory (the planner's) skips it (benchmarks/results/first_step.txt).
+MEMORY_ONLY_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def memory_only_options(devices=None):
+  """Compiler options for a step compiled only for its memory on `devices` (default this process's): none where
+  the backend does not autotune (there such a step is the one that runs)."""
+  return MEMORY_ONLY_OPTIONS if (devices or jax.devices())[0].platform == "gpu" else None
 
 
 def trace_step(run_config: RunConfig, devices=None):

@@ -19,7 +19,8 @@ from train.compile import check_fits, compile_step
 from train.config import RunConfig
 from train.data import make_source
 from train.mesh import global_batch, on_mesh, token_shards
-from train.metrics import LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops
+from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
+                           size)
 from train.remat_auto import resolve_remat, suggest
 from train.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.rundir import RunDirectory
@@ -71,7 +72,7 @@ def _train(run_config, resume, checkpoints, stop):
     log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
                      "devices)")
     step = compile_step(run_config)
-  check_fits(run_config, step, suggest)  # before anything is allocated
+  memory = check_fits(run_config, step, suggest)  # before anything is allocated
   compiled, mesh, compile_s = step.compiled, step.mesh, step.compile_s
   runtime = run_config.runtime
   if run_config.init_from and not resume:
@@ -98,7 +99,7 @@ def _train(run_config, resume, checkpoints, stop):
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
         entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict(),
         remat_plan=remat_plan and remat_plan.as_dict()), indent=1, default=str))
-    print(f"compiled in {compile_s:.1f} s", flush=True)
+    print(f"compiled in {compile_s:.1f} s: {size(memory['total_bytes'])} per device", flush=True)
     if plan:  # a ring of one moves nothing: no plan
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)

@@ -5,12 +5,14 @@ Every number comes from XLA's buffer assignment of the real train step compiled 
 (`train.compile.memory_plan`: nothing is allocated), but one estimate: `offload` in every layer, taken as `layer`'s
 step less the layer inputs it moves to the host, and compiled only where a plan relies on it. The plan starts from
 the most frugal choice for every layer (`offload` where the device has host memory to offload to, else `layer`),
-compiles the step once per uniform policy to learn what keeping more costs per layer, then upgrades layers greedily by recompute time saved per byte
-until the budget is spent, as the paper does; the chosen plan is compiled once more to confirm it fits (and
-stepped back while it does not). Time saved is estimated from the model's FLOPs (`train.step.layer_forward_flops`)
-at the device's peak and, for `offload`, the layer input's round trip over the host link. Where the expert ring's
+compiles the step once per uniform policy to learn what keeping more costs per layer, then upgrades layers greedily
+by recompute time saved per byte until the budget is spent, as the paper does; the chosen plan is compiled once more
+to confirm it fits (and stepped back while it does not). Time saved is estimated from the model's FLOPs
+(`train.step.layer_forward_flops`) at the device's peak and, for `offload`, the layer input's round trip over the
+host link. Where the expert ring's
 backward can then keep the forward's gate/up projections (`RingExpert.keep_gate_up`) within the budget, it does:
-one compile more, a quarter of the MoE backward's matmuls fewer.
+one compile more, a quarter of the MoE backward's matmuls fewer. On GPUs these compiles skip XLA's autotuner (only
+their memory is read: `train.compile.MEMORY_ONLY_OPTIONS`) and the trainer compiles the chosen step once to run.
 """
 
 import concurrent.futures
@@ -22,7 +24,7 @@ import jax
 
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.chunks import default_chunk_rows
-from train.compile import compile_step, device_limit_bytes, memory_plan
+from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
 from train.plan_record import Plan
@@ -113,7 +115,9 @@ class Planner:
     self.devices = devices
     self.budget_bytes = budget_bytes
     self.log = log
-    self.keep_steps = keep_steps  # the compiled steps, for the trainer to run the chosen one without compiling again
+    # The compiled steps, for the trainer to run the chosen one without compiling again; not on GPUs, where they
+    # are compiled for their memory only (`train.compile.MEMORY_ONLY_OPTIONS`).
+    self.keep_steps = keep_steps
     self.compiles = []
     self._measured = {}
     self._steps = {}
@@ -127,8 +131,8 @@ class Planner:
       return self._measured[key]
     cap = self._chunk_cap(changes)
     config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up)
-    step = compile_step(config, self.devices)
-    if self.keep_steps:
+    step = compile_step(config, self.devices, memory_only=True)
+    if self.keep_steps and memory_only_options(self.devices) is None:  # the step that runs is the one compiled
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
     what = dict(changes, remat=_compact((remat,) if isinstance(remat, str) else remat),
