@@ -99,11 +99,12 @@ TUNE_SEARCH = ((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
 
 
 def tune(shape, iters):
-  """The fastest candidate tiles for the four fused steps of `shape`, written into the tiles file."""
+  """The fastest candidate tiles for the four fused steps of `shape` together, written into the tiles file; also
+  prints each step's own fastest (the kernels share one Tiles per D×F). Returns a row per candidate and step."""
   tokens, rows, groups, width, ffn = SHAPES[shape]
   inputs = _inputs(tokens, rows, groups, width, ffn)
   interpret = jax.default_backend() != "gpu"  # elsewhere the search runs in the interpreter (the test's)
-  best = None
+  timed = []
   for values in itertools.product(*TUNE_SEARCH):
     tiles = fk.Tiles(*values)
     kernels = fk.TRITON._replace(tiles_for=lambda w, f, tiles=tiles: tiles)
@@ -111,19 +112,24 @@ def tune(shape, iters):
       continue
     try:
       steps = fused_steps(dict(tiles=tiles, interpret=interpret))
-      seconds = sum(_seconds(jax.jit(f), inputs, iters) for f in steps.values())
+      ms = {step: 1e3 * _seconds(jax.jit(f), inputs, iters) for step, f in steps.items()}
     except Exception as e:  # noqa: BLE001  (a candidate Triton rejects, e.g. out of shared memory, is skipped)
       print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}", flush=True)
       continue
-    print(f"  {tiles}: {1e3 * seconds:.3f} ms", flush=True)
-    if best is None or seconds < best[0]:
-      best = (seconds, tiles)
-  if best is None:
+    print(f"  {tiles}: {sum(ms.values()):.3f} ms ({', '.join(f'{k} {v:.3f}' for k, v in ms.items())})", flush=True)
+    timed.append((tiles, ms))
+  if not timed:
     raise SystemExit(f"no tiles of TUNE_SEARCH run the fused kernels at {shape}")
-  table = dict(fk.tuned_tiles(), **{f"{width}x{ffn}": dataclasses.asdict(best[1])})
+  best_tiles, best_ms = min(timed, key=lambda t: sum(t[1].values()))
+  table = dict(fk.tuned_tiles(), **{f"{width}x{ffn}": dataclasses.asdict(best_tiles)})
   fk.TILES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
   fk.tuned_tiles.cache_clear()
-  print(f"tuned {shape} ({width}x{ffn}): {best[1]} {1e3 * best[0]:.3f} ms", flush=True)
+  print(f"tuned {shape} ({width}x{ffn}): {best_tiles} {sum(best_ms.values()):.3f} ms", flush=True)
+  for step in STEPS:
+    tiles, ms = min(timed, key=lambda t: t[1][step])
+    print(f"  fastest {step} alone: {tiles} {ms[step]:.3f} ms", flush=True)
+  return [dict(shape=shape, step=step, ms=ms[step], tiles=dataclasses.asdict(tiles)) for tiles, ms in timed
+          for step in STEPS]
 
 
 def _seconds(f, inputs, iters):
@@ -176,12 +182,11 @@ def main(argv=None):
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "fused_expert.json"))
   args = parser.parse_args(argv)
   backend = resolve_backend(args.backend)
-  if args.tune:
-    for shape in dict.fromkeys(args.shapes.split(",")):
-      tune(shape, max(1, args.iters // 5))
+  tuning = [r for shape in dict.fromkeys(args.shapes.split(",")) if args.tune
+            for r in tune(shape, max(1, args.iters // 5))]
   rows = [r for shape in args.shapes.split(",") for r in measure(shape, backend, args.iters)]
   meta = dict(command=harness.command_line("fused_expert", argv), **harness.machine(jax))
-  harness.write_json(dict(meta=meta, rows=rows), args.out)
+  harness.write_json(dict(meta=meta, rows=rows, **({"tuning": tuning} if tuning else {})), args.out)
   print(harness.write_table(render(rows, meta), args.out))
 
 

@@ -383,8 +383,11 @@ def test_fused_expert_tune_keeps_the_fastest_tiles_per_shape(tmp_path, monkeypat
   monkeypatch.setattr(fused_expert, "TUNE_SEARCH", ((8, 16), (16,), (16,), (4,), (3,)))
   fk.tuned_tiles.cache_clear()
   try:
-    fused_expert.tune("tiny", iters=1)
+    timed = fused_expert.tune("tiny", iters=1)
     tuned = json.loads((tmp_path / "fused_tiles.json").read_text())["32x32"]
     assert tuned["block_m"] in (8, 16) and fk.tiles_for(32, 32) == fk.Tiles(**tuned)
+    assert [(r["tiles"]["block_m"], r["step"]) for r in timed] == [(m, s) for m in (8, 16) for s in fused_expert.STEPS]
+    total = {m: sum(r["ms"] for r in timed if r["tiles"]["block_m"] == m) for m in (8, 16)}
+    assert total[tuned["block_m"]] == min(total.values()), (total, tuned)
   finally:
     fk.tuned_tiles.cache_clear()
