@@ -167,10 +167,9 @@ def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_o
   assert tight.total_bytes in [total for _, total in tight.compiles], "the plan's bytes are a compile's"
 
 
-def test_steps_compiled_for_their_memory_skip_the_gpu_autotuner_and_only_cpu_ones_are_kept_to_run(uniform,
-                                                                                                  monkeypatch):
-  """On GPUs the planner's steps are compiled without XLA's autotuner (their buffers do not depend on it) and the
-  trainer compiles the chosen one again to run; elsewhere the planner's step is the one that runs."""
+def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_run(uniform, monkeypatch):
+  """On GPUs the uniform steps are compiled without XLA's autotuner (their buffers do not depend on it) and not
+  kept; the plan's candidate is compiled to run, and the trainer runs that step. On CPU the two are the same."""
   gpu = types.SimpleNamespace(platform="gpu")
   assert train_compile.memory_only_options([gpu]) == {"xla_gpu_autotune_level": 0}
   assert train_compile.memory_only_options() is None
@@ -178,11 +177,16 @@ def test_steps_compiled_for_their_memory_skip_the_gpu_autotuner_and_only_cpu_one
   planner.measure("layer")
   assert planner.compiled_step("layer") is not None
   asked, memo = [], planning.compile_step
-  monkeypatch.setattr(planning, "compile_step", lambda *a, **k: asked.append(k) or memo(*a, **k))
+  monkeypatch.setattr(planning, "compile_step", lambda config, devices=None, **k: asked.append(
+      (config.runtime.remat, k["memory_only"])) or memo(config, devices, **k))
   monkeypatch.setattr(planning, "memory_only_options", lambda devices=None: {"xla_gpu_autotune_level": 0})
-  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None, keep_steps=True)
-  planner.measure("layer")
-  assert asked == [{"memory_only": True}] and planner.compiled_step("layer") is None
+  monkeypatch.setattr(planning, "keeps_gate_up", lambda run_config: False)
+  planner = planning.Planner(BASE, int(between(uniform, 0.8)), log=lambda *_: None, keep_steps=True)
+  plan = planner.plan()
+  assert len(set(plan.remat)) == 2, plan
+  assert sorted(map(repr, asked)) == sorted(map(repr, [("none", True), ("attention", True), ("layer", True),
+                                                       (plan.remat, False)]))
+  assert planner.compiled_step("layer") is None and planner.compiled_step(plan.remat) is not None
 
 
 def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):
