@@ -11,8 +11,8 @@ group sizes, each step of a hop's SwiGLU expert timed both ways:
   w_gate_up  fused `weight_grad`    | unfused: x's row gather, the weight-gradient grouped matmul
 The unfused steps run `--backend` (default: mosaic_gpu on Hopper GPUs, else xla); elsewhere than a GPU the fused
 kernels run in Pallas's interpreter (`--shapes tiny`: what the tests run). `--tune` first times each candidate of
-TUNE_SEARCH on the four fused steps of each shape and writes the fastest per D×F into
-`relaymoe_jax/fused_tiles.json` (the first shape of a D×F decides). Prints a table, writes JSON; the summary line
+TUNE_SEARCH on the four fused steps of each shape and writes each kernel's fastest per D×F into
+`relaymoe_jax/fused_tiles.json` (the last shape of a D×F decides). Prints a table, writes JSON; the summary line
 sums the four steps of the first shape.
 """
 
@@ -52,16 +52,22 @@ def _inputs(tokens, rows, groups, width, ffn, seed=0):
       gate_up_MU=jax.random.normal(k[6], (rows, 2 * ffn), bf16), sizes_L=jnp.asarray(sizes, jnp.int32))
 
 
-def fused_steps(kernel_options):
-  """step → f(inputs) on the fused kernels."""
-  o = kernel_options
+KERNEL_OF = {"gate_up": "gate_up_swiglu", "down_grad": "down_grad", "w_down": "weight_grad",
+             "w_gate_up": "weight_grad"}
+
+
+def fused_steps(tiles_of, interpret=False):
+  """step → f(inputs) on the fused kernels, each with tiles_of(its kernel)."""
+  o = {step: dict(tiles=tiles_of(kernel), interpret=interpret) for step, kernel in KERNEL_OF.items()}
   return {
-      "gate_up": lambda a: fk.gate_up_swiglu(a["x_TD"], a["tok_M"], a["w_gate_up_LDU"], a["sizes_L"], **o),
+      "gate_up": lambda a: fk.gate_up_swiglu(a["x_TD"], a["tok_M"], a["w_gate_up_LDU"], a["sizes_L"],
+                                             **o["gate_up"]),
       "down_grad": lambda a: fk.down_grad(a["dy_TD"], a["tok_M"], a["w_down_LFD"], a["gate_up_MU"], a["weight_M"],
-                                          a["sizes_L"], **o),
+                                          a["sizes_L"], **o["down_grad"]),
       "w_down": lambda a: fk.weight_grad(a["gate_up_MU"][:, :a["w_down_LFD"].shape[1]], a["dy_TD"], a["sizes_L"],
-                                         b_tok_M=a["tok_M"], **o),
-      "w_gate_up": lambda a: fk.weight_grad(a["x_TD"], a["gate_up_MU"], a["sizes_L"], a_tok_M=a["tok_M"], **o),
+                                         b_tok_M=a["tok_M"], **o["w_down"]),
+      "w_gate_up": lambda a: fk.weight_grad(a["x_TD"], a["gate_up_MU"], a["sizes_L"], a_tok_M=a["tok_M"],
+                                            **o["w_gate_up"]),
   }
 
 
@@ -99,35 +105,38 @@ TUNE_SEARCH = ((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
 
 
 def tune(shape, iters):
-  """The fastest candidate tiles for the four fused steps of `shape` together, written into the tiles file; also
-  prints each step's own fastest (the kernels share one Tiles per D×F). Returns a row per candidate and step."""
+  """Times every candidate of TUNE_SEARCH on the four fused steps of `shape` and writes each kernel's fastest into
+  the tiles file (the weight gradient's: the fastest for w_down and w_gate_up together). Returns a row per
+  candidate and step."""
   tokens, rows, groups, width, ffn = SHAPES[shape]
   inputs = _inputs(tokens, rows, groups, width, ffn)
   interpret = jax.default_backend() != "gpu"  # elsewhere the search runs in the interpreter (the test's)
   timed = []
   for values in itertools.product(*TUNE_SEARCH):
     tiles = fk.Tiles(*values)
-    kernels = fk.TRITON._replace(tiles_for=lambda w, f, tiles=tiles: tiles)
-    if kernels.unsupported(rows, width, ffn, jnp.bfloat16):
+    if fk.TRITON._replace(tiles_for=lambda w, f, k, tiles=tiles: tiles, backward=True).unsupported(
+        rows, width, ffn, jnp.bfloat16):
       continue
     try:
-      steps = fused_steps(dict(tiles=tiles, interpret=interpret))
+      steps = fused_steps(lambda kernel, tiles=tiles: tiles, interpret)
       ms = {step: 1e3 * _seconds(jax.jit(f), inputs, iters) for step, f in steps.items()}
     except Exception as e:  # noqa: BLE001  (a candidate Triton rejects, e.g. out of shared memory, is skipped)
       print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}", flush=True)
       continue
-    print(f"  {tiles}: {sum(ms.values()):.3f} ms ({', '.join(f'{k} {v:.3f}' for k, v in ms.items())})", flush=True)
+    print(f"  {tiles}: {', '.join(f'{k} {v:.3f}' for k, v in ms.items())} ms", flush=True)
     timed.append((tiles, ms))
   if not timed:
     raise SystemExit(f"no tiles of TUNE_SEARCH run the fused kernels at {shape}")
-  best_tiles, best_ms = min(timed, key=lambda t: sum(t[1].values()))
-  table = dict(fk.tuned_tiles(), **{f"{width}x{ffn}": dataclasses.asdict(best_tiles)})
-  fk.TILES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+  best = {}
+  for kernel in fk.KERNELS:
+    steps = [step for step, k in KERNEL_OF.items() if k == kernel]
+    tiles, ms = min(timed, key=lambda t: sum(t[1][step] for step in steps))
+    best[kernel] = dataclasses.asdict(tiles)
+    print(f"tuned {kernel} at {shape} ({width}x{ffn}): {tiles} {sum(ms[step] for step in steps):.3f} ms",
+          flush=True)
+  fk.TILES_FILE.write_text(json.dumps(dict(fk.tuned_tiles(), **{f"{width}x{ffn}": best}), indent=1,
+                                      sort_keys=True) + "\n")
   fk.tuned_tiles.cache_clear()
-  print(f"tuned {shape} ({width}x{ffn}): {best_tiles} {sum(best_ms.values()):.3f} ms", flush=True)
-  for step in STEPS:
-    tiles, ms = min(timed, key=lambda t: t[1][step])
-    print(f"  fastest {step} alone: {tiles} {ms[step]:.3f} ms", flush=True)
   return [dict(shape=shape, step=step, ms=ms[step], tiles=dataclasses.asdict(tiles)) for tiles, ms in timed
           for step in STEPS]
 
@@ -145,8 +154,8 @@ def measure(shape, backend, iters):
   tokens, rows, groups, width, ffn = SHAPES[shape]
   inputs = _inputs(tokens, rows, groups, width, ffn)
   on_gpu = jax.default_backend() == "gpu"
-  options = dict(tiles=fk.tiles_for(width, ffn)) if on_gpu else dict(interpret=True, tiles=fk.Tiles(16, 16, 16))
-  fused, unfused = fused_steps(options), unfused_steps(backend)
+  tiles_of = functools.partial(fk.tiles_for, width, ffn) if on_gpu else lambda kernel: fk.Tiles(16, 16, 16)
+  fused, unfused = fused_steps(tiles_of, interpret=not on_gpu), unfused_steps(backend)
   flops = {"gate_up": 4, "down_grad": 2, "w_down": 2, "w_gate_up": 4}
   out = []
   for step in STEPS:
@@ -154,7 +163,7 @@ def measure(shape, backend, iters):
     tflop = flops[step] * rows * width * ffn / 1e12
     out.append(dict(shape=shape, step=step, rows=rows, groups=groups, fused_ms=1e3 * f_s, unfused_ms=1e3 * u_s,
                     fused_tflops=tflop / f_s, unfused_tflops=tflop / u_s, backend=backend,
-                    tiles=dataclasses.asdict(options["tiles"])))
+                    tiles=dataclasses.asdict(tiles_of(KERNEL_OF[step]))))
   return out
 
 

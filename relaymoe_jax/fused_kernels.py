@@ -295,39 +295,49 @@ def tuned_tiles():
   return json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
 
 
-def tiles_for(width, ffn):
-  """The tiles for experts of width D and FFN width F: `fused_tiles.json`'s (written by `python -m
-  benchmarks.fused_expert --tune`), else DEFAULT_TILES."""
-  tuned = tuned_tiles().get(f"{width}x{ffn}")
+KERNELS = ("gate_up_swiglu", "down_grad", "weight_grad")
+
+
+def tiles_for(width, ffn, kernel):
+  """The tiles of `kernel` (one of KERNELS) for experts of width D and FFN width F: `fused_tiles.json`'s (written
+  by `python -m benchmarks.fused_expert --tune`), else DEFAULT_TILES."""
+  tuned = tuned_tiles().get(f"{width}x{ffn}", {}).get(kernel)
   return Tiles(**tuned) if tuned else DEFAULT_TILES
 
 
 class KernelSet(NamedTuple):
   """The three kernels of one implementation, for inputs of `dtypes` (None: any), each called with
-  tiles=tiles_for(D, F)."""
+  tiles=tiles_for(D, F, its name); `backward`: whether the hop's backward runs them (else only the forward's
+  gate/up does, and the backward runs the plain grouped matmuls on gathered rows)."""
 
   gate_up_swiglu: Callable
   down_grad: Callable
   weight_grad: Callable
   tiles_for: Callable
   dtypes: tuple | None
+  backward: bool
 
   def unsupported(self, rows, width, ffn, dtype):
     """None, or why these kernels cannot take `rows` of width D (`width`) for experts of FFN width `ffn`."""
     if self.dtypes is not None and jnp.dtype(dtype) not in self.dtypes:
       return f"dtype {jnp.dtype(dtype)} (these kernels take {' or '.join(map(str, self.dtypes))})"
-    t = self.tiles_for(width, ffn)
+    up, down, weight = (self.tiles_for(width, ffn, k) for k in KERNELS)
     # Rows and widths against each kernel's tiles: the weight gradients' outputs are D × 2F and F × D.
-    checks = (("rows", rows, t.block_m), ("D", width, t.block_k), ("F", ffn, t.block_n), ("D", width, t.block_m),
-              ("D", width, t.block_n), ("F", ffn, t.block_m))
+    checks = [("rows", rows, up.block_m), ("D", width, up.block_k), ("F", ffn, up.block_n)]
+    if self.backward:
+      checks += [("rows", rows, down.block_m), ("D", width, down.block_k), ("F", ffn, down.block_n),
+                 ("D", width, weight.block_m), ("D", width, weight.block_n), ("F", ffn, weight.block_m)]
     for what, n, block in checks:
       if n % block:
         return f"{what}={n} is not a multiple of {block}"
     return None
 
 
-# float32 would run as TF32 in Triton's dot: such steps keep the plain path, as the Mosaic kernels do.
-TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, tiles_for, (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+# float32 would run as TF32 in Triton's dot: such steps keep the plain path, as the Mosaic kernels do. On one H200
+# only gate_up_swiglu beat the plain steps it replaces (benchmarks/results/fused_expert.txt): the backward keeps
+# the Mosaic kernels on gathered rows.
+TRITON = KernelSet(gate_up_swiglu, down_grad, weight_grad, tiles_for, (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)),
+                   backward=False)
 # The references take any tiles; these small ones make the hop tests' chunks take the fused path as the kernels would.
 REFERENCE = KernelSet(reference_gate_up_swiglu, reference_down_grad, reference_weight_grad,
-                      lambda width, ffn: Tiles(block_m=8, block_n=8, block_k=8), None)
+                      lambda width, ffn, kernel: Tiles(block_m=8, block_n=8, block_k=8), None, backward=True)

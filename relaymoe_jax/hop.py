@@ -83,10 +83,11 @@ def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
   return acc_TD + jnp.sum(jnp.where(in_TK[..., None], v_TKD, 0.0), axis=1)
 
 
-def _fused(backend, tok_R, x_TD, weights):
-  """Whether this chunk runs the fused expert path (`fused_expert`), which reads its rows by token index."""
+def _fused(backend, tok_R, x_TD, weights, backward=False):
+  """Whether this chunk's forward (or `backward`) runs the fused expert path (`fused_expert`), which reads its rows
+  by token index."""
   return fused_expert.is_fused(backend) and fused_expert.takes(backend, tok_R.shape[0], x_TD.shape[1],
-                                                               weights[1].shape[1], x_TD.dtype)
+                                                               weights[1].shape[1], x_TD.dtype, backward)
 
 
 def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PU=None):
@@ -137,7 +138,7 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     w_R = vary_like(jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0), vary_axes)
     # Rows past the range may be another range's or never written (pairs of no expert): zeros, not garbage.
     kept_RU = None if gate_up_PU is None else jnp.where(valid_R1, gate_up_PU[rows.pos_R], 0)
-    if _fused(backend, tok_R, tokens.x_TD, weights):  # its kernels read only the chunk's rows of x and dy
+    if _fused(backend, tok_R, tokens.x_TD, weights, backward=True):  # its kernels read the chunk's rows of x, dy
       dx_RD, dw_R, *dW_chunk = fused_expert.expert_swiglu_backward(
           vary_like(tokens.x_TD, vary_axes), tok_R, *weights, rows.sizes_L, vary_like(dy_TD, vary_axes), w_R,
           backend=backend, gate_up_RU=kept_RU)

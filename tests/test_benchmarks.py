@@ -16,7 +16,7 @@ from benchmarks import (capacity, cp_attention, fused_expert, grouped_gemm, harn
                         train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from relaymoe_jax import fused_kernels as fk
-from benchmarks.trace_summary import collective_timeline, kernel_times
+from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +179,12 @@ def test_trace_summary_places_collectives_beside_compute(tmp_path):
   times = kernel_times(str(path))
   assert (times["exposed_collective_ms"], times["compute_ms"]) == (1.5, 1.5), times
   assert collective_timeline(str(path)) == [(0.0, 2.0, 0.5, "ncclDevKernel_SendRecv")]
+
+
+def test_the_fused_kernels_count_as_grouped_matmuls_in_the_kernel_table():
+  for name in ("body_mosaic_gpu_kernel", "_gate_up_kernel__1", "_down_grad_kernel", "_weight_grad_kernel__1"):
+    assert kind_of(name) == "grouped matmul", name
+  assert kind_of("loop_gather_fusion_1") == "gather" and kind_of("_sort_kernel") == "other"
 
 
 def test_ep8_summary_averages_over_points():
@@ -385,9 +391,13 @@ def test_fused_expert_tune_keeps_the_fastest_tiles_per_shape(tmp_path, monkeypat
   try:
     timed = fused_expert.tune("tiny", iters=1)
     tuned = json.loads((tmp_path / "fused_tiles.json").read_text())["32x32"]
-    assert tuned["block_m"] in (8, 16) and fk.tiles_for(32, 32) == fk.Tiles(**tuned)
+    assert sorted(tuned) == sorted(fk.KERNELS)
     assert [(r["tiles"]["block_m"], r["step"]) for r in timed] == [(m, s) for m in (8, 16) for s in fused_expert.STEPS]
-    total = {m: sum(r["ms"] for r in timed if r["tiles"]["block_m"] == m) for m in (8, 16)}
-    assert total[tuned["block_m"]] == min(total.values()), (total, tuned)
+    ms = {(r["tiles"]["block_m"], r["step"]): r["ms"] for r in timed}
+    for kernel, tiles in tuned.items():
+      assert fk.tiles_for(32, 32, kernel) == fk.Tiles(**tiles)
+      steps = [step for step, k in fused_expert.KERNEL_OF.items() if k == kernel]
+      total = {m: sum(ms[m, step] for step in steps) for m in (8, 16)}
+      assert total[tiles["block_m"]] == min(total.values()), (kernel, total, tiles)
   finally:
     fk.tuned_tiles.cache_clear()

@@ -6,6 +6,7 @@ fused path (its lax references) match the dense float32 oracle (1e-5) in outputs
 gpu` runs the Triton kernels against the Mosaic GPU path on an H100/H200.
 """
 
+import contextlib
 import functools
 import logging
 import re
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import fused_expert, fused_kernels as fk, grouped_matmul as gm
+from relaymoe_jax import fused_expert, fused_kernels as fk, grouped_matmul as gm, testing as rmt
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 TILES = fk.Tiles(block_m=8, block_n=8, block_k=8)
@@ -170,6 +171,28 @@ def test_rings_on_the_fused_path_match_the_oracle(dispatcher, options, monkeypat
   assert "rows=3 is not a multiple of 8" in caplog.text
 
 
+@contextlib.contextmanager
+def _kernel_set(monkeypatch, name, **changes):
+  """fk.<name> with `changes` for the block. The oracle check's jitted function is shared across tests by its
+  static arguments, so it is traced afresh inside the block and after it."""
+  rmt._values_and_grads.clear_cache()
+  with monkeypatch.context() as patch:
+    patch.setattr(fk, name, getattr(fk, name)._replace(**changes))
+    yield
+  rmt._values_and_grads.clear_cache()
+
+
+def test_kernels_that_lose_in_the_backward_leave_it_to_the_plain_path(monkeypatch):
+  """Kernels whose backward is slower than the plain path's (Triton's, `KernelSet.backward`) fuse the forward's
+  gate/up only: the backward gathers its rows and runs the plain grouped matmuls, with the same gradients."""
+  calls = _count_fused_chunks(monkeypatch)
+  layer = random_layer(27, 64, 16, 24, 16, 4, skew=True)
+  with _kernel_set(monkeypatch, "REFERENCE", backward=False):
+    assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), F32_RTOL, "ring_expert", backend="fused_reference",
+                          chunk_rows=(16, 8))
+  assert "expert_swiglu" in calls and "expert_swiglu_backward" not in calls, calls
+
+
 def test_the_fused_path_needs_the_recomputing_backward():
   layer = random_layer(24, 16, 16, 24, 8, 2)
   with pytest.raises(ValueError, match="backend='fused_reference' needs recompute=True"):
@@ -191,12 +214,18 @@ def _hopper_or_skip():
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"keep_gate_up": True}])
 def test_fused_triton_matches_the_oracle_on_a_gpu(options, monkeypatch):
-  """bf16 on the ring of one (every expert on the GPU): one chunk of 1024 rows in 128-row tiles, on the fused path."""
+  """bf16 on the ring of one (every expert on the GPU): one chunk of 1024 rows in 128-row tiles, on the fused path
+  (its forward's gate/up; the backward too where `TRITON.backward` says the kernels win there)."""
   _hopper_or_skip()
   calls = _count_fused_chunks(monkeypatch)
   layer = random_layer(25, 512, 256, 128, 8, 2, dtype=jnp.bfloat16)
   assert_matches_oracle(layer, mesh_of((1,), E_ONLY), BF16_RTOL, "ring_expert", backend="fused_triton", **options)
-  assert {"expert_swiglu", "expert_swiglu_backward"} <= set(calls)
+  assert "expert_swiglu" in calls and ("expert_swiglu_backward" in calls) == fk.TRITON.backward, calls
+
+  with _kernel_set(monkeypatch, "TRITON", backward=True):  # the backward kernels, which the hop leaves out
+    assert_matches_oracle(layer, mesh_of((1,), E_ONLY), BF16_RTOL, "ring_expert", backend="fused_triton",
+                          **options)
+  assert "expert_swiglu_backward" in calls
 
 
 def test_bfloat16_on_the_fused_path_matches_the_oracle():
