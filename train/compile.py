@@ -76,7 +76,7 @@ def compile_step(run_config: RunConfig, devices=None, memory_only=False) -> Comp
 
 # XLA's GPU autotuner times candidate kernels for each matmul fusion on the device while it compiles. Alone that
 # costs little, but compiles at once time on the one GPU together: the planner's four uniform steps at once took
-# 104-159 s where three without it take 26-35 s (one H200, benchmarks/results/first_step.txt). Which candidate
+# 104-159 s where three without it take 26-42 s (one H200, benchmarks/results/first_step.txt). Which candidate
 # wins does not change the buffers (the 4-layer step's bytes within 7 KB), so a step compiled only for its memory
 # skips it.
 MEMORY_ONLY_OPTIONS = {"xla_gpu_autotune_level": 0}

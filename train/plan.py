@@ -9,11 +9,10 @@ compiles the step once per uniform policy to learn what keeping more costs per l
 by recompute time saved per byte until the budget is spent, as the paper does; the chosen plan is compiled once more
 to confirm it fits (and stepped back while it does not). Time saved is estimated from the model's FLOPs
 (`train.step.layer_forward_flops`) at the device's peak and, for `offload`, the layer input's round trip over the
-host link. Where the expert ring's
-backward can then keep the forward's gate/up projections (`RingExpert.keep_gate_up`) within the budget, it does:
-one compile more, a quarter of the MoE backward's matmuls fewer. The uniform steps are compiled for their memory
-only (on GPUs without XLA's autotuner: `train.compile.MEMORY_ONLY_OPTIONS`), at once; the plan's candidates are
-compiled to run, one at a time, and the trainer runs the chosen one.
+host link. Where the expert ring's backward can keep the forward's gate/up projections (`RingExpert.keep_gate_up`)
+within the budget, it does: a quarter of the MoE backward's matmuls fewer. The uniform steps are compiled for their
+memory only (on GPUs without XLA's autotuner: `train.compile.MEMORY_ONLY_OPTIONS`), at once; the plan's candidates
+(keeping gate/up first) are compiled to run, one at a time, and the trainer runs the chosen one.
 """
 
 import concurrent.futures
