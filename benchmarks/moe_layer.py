@@ -176,13 +176,15 @@ def render(rows, scaling):
   if profiled:
     kinds = sorted({k for r in profiled for k in r["kernels"]["by_kind"]}, key=lambda k: (k != "grouped matmul", k))
     lines += ["", "Kernel time per step on the first GPU, ms, by kind (`benchmarks.trace_summary`):", "",
-              "| shape | T/GPU | variant | " + " | ".join(kinds) + " | all kernels | all but grouped matmul |",
-              "|---|---|---|" + "---|" * (len(kinds) + 2)]
+              "| shape | T/GPU | variant | " + " | ".join(kinds)
+              + " | all kernels | all but grouped matmul | no kernel running (one GPU: ms − all kernels) |",
+              "|---|---|---|" + "---|" * (len(kinds) + 3)]
     for r in profiled:
       k = r["kernels"]
       lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | "
                    + " | ".join(f"{k['by_kind'].get(kind, 0.0):.1f}" for kind in kinds)
-                   + f" | {k['busy_ms']:.1f} | {k['busy_ms'] - k['by_kind'].get('grouped matmul', 0.0):.1f} |")
+                   + f" | {k['busy_ms']:.1f} | {k['busy_ms'] - k['by_kind'].get('grouped matmul', 0.0):.1f} | "
+                   + (f"{r['latency_ms'] - k['busy_ms']:.1f} |" if r["gpus"] == 1 else "— |"))
   if scaling:
     lines += ["", "| EP | E | T/dev | ring MiB | dropless MiB | cf1 MiB | dropless/ring | cf1/ring |",
               "|---|---|---|---|---|---|---|---|"]

@@ -163,6 +163,8 @@ def test_profile_reports_kernel_time(tmp_path):
   assert row["kernels"]["busy_ms"] > 0 and row["kernels"]["by_name"], row["kernels"]
   table = moe_layer.render([row], [])
   assert "Kernel time per step" in table and f"| {row['kernels']['busy_ms']:.1f} |" in table
+  idle = f"{row['latency_ms'] - row['kernels']['busy_ms']:.1f}" if row["gpus"] == 1 else "—"
+  assert table.splitlines()[-1].endswith(f" | {idle} |"), table
 
 
 def test_trace_summary_places_collectives_beside_compute(tmp_path):
