@@ -187,7 +187,7 @@ class Planner:
     self.prefetch([p for p in ("none", *choices[:-1]) if p != "offload"], **changes)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
-      return self._keeping_gate_up(self._result(("none",) * layers, uniform["none"], changes), changes)
+      return self._first_fitting(("none",) * layers, uniform, changes)
     for policy in sorted(choices[:-1], key=lambda p: p == "offload"):  # offload's estimate needs layer's step
       estimate = policy == "offload" and self._key(policy, changes) not in self._measured
       uniform[policy] = self._offloaded(uniform["layer"], changes) if estimate else self.measure(policy, **changes)
@@ -195,21 +195,25 @@ class Planner:
       uniform[frugal] = self.measure(frugal, **changes)
     if not self.fits(uniform[frugal]):
       return self._not_fitting(frugal, uniform[frugal], changes)
-    remat = self._greedy(uniform, layers, changes)
-    # Candidates are compiled to run, one at a time (compiles at once would autotune on one GPU together), the
-    # faster first: the plan with the ring keeping gate/up (often no more memory: its backward's recompute goes),
-    # then without.
+    return self._first_fitting(self._greedy(uniform, layers, changes), uniform, changes)
+
+  def _first_fitting(self, remat, uniform, changes):
+    """From `remat` on, stepping back while nothing fits, the first candidate that fits. Candidates are compiled to
+    run, one at a time (compiles at once would autotune on one GPU together), the faster first: the plan with the
+    ring keeping gate/up (often no more memory: its backward's recompute goes), then without."""
+    choices = policies(self.devices)
+    frugal = choices[0]
     keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
     while True:
       if keep:
         kept = self.measure(remat, keep_gate_up=True, to_run=True, **changes)
         if self.fits(kept):
           return self._result(remat, kept, changes, keep_gate_up=True)
-      known = uniform[remat[0]] if len(set(remat)) == 1 else {}
+      known = uniform.get(remat[0], {}) if len(set(remat)) == 1 else {}
       plan = known if "estimated" not in known and known else self.measure(remat, to_run=True, **changes)
       if self.fits(plan):
         return self._result(remat, plan, changes)
-      if remat == (frugal,) * layers:  # only where the frugal step was estimated to fit and does not
+      if remat == (frugal,) * len(remat):  # only where the frugal step was estimated to fit and does not
         return self._not_fitting(frugal, plan, changes)
       remat = _step_back(remat, choices)
 
@@ -236,16 +240,6 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     tokens = run.batch_size * run.seq_len // token_shards(build_mesh(run.mesh, self.devices))
     return tokens * model_config_for(run).hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
-
-  def _keeping_gate_up(self, plan, changes):
-    """`plan` with the expert ring keeping its gate/up projections for the backward, where the run can and the
-    step still fits."""
-    if not keeps_gate_up(dataclasses.replace(self.run_config, **changes)):
-      return plan
-    kept = self.measure(plan.remat, keep_gate_up=True, to_run=True, **changes)
-    if self.fits(kept):
-      return self._result(plan.remat, kept, changes, keep_gate_up=True)
-    return dataclasses.replace(plan, compiles=list(self.compiles))
 
   def _greedy(self, uniform, layers, changes):
     """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
