@@ -67,9 +67,6 @@ VARIANTS = {
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
     "compute_floor_keep": ("ring_expert", {"keep_gate_up": True}),  # the same, the backward not recomputing gate/up
-    # The ring of one on the fused expert kernels (rows read by token index, SwiGLU in the epilogues).
-    "compute_floor_fused": ("ring_expert", {"backend": "fused_triton"}),
-    "compute_floor_fused_keep": ("ring_expert", {"backend": "fused_triton", "keep_gate_up": True}),
     "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
     "ring_expert_reverse": ("ring_expert", {"reverse_backward": True}),
     "ring_expert_home": ("ring_expert", {"reverse_backward": False}),  # backward in forward order, home send last

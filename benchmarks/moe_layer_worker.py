@@ -27,7 +27,7 @@ from benchmarks import harness
 from benchmarks.moe_layer import MODEL_OF_SHAPE, TRANSFER, stack_depth, variant_options
 from benchmarks.trace_summary import find_trace, kernel_times
 from models.qwen3_config import load_config
-from relaymoe_jax.grouped_matmul import fuse_gate_up
+from relaymoe_jax import gate_up
 from relaymoe_jax.ring import ring_pass, ring_relay, ring_relay_homeward
 
 PROFILE_STEPS = 2
@@ -86,7 +86,7 @@ def _transfer_step(mesh, layers):
     state = jnp.zeros((), jnp.float32)
     for layer in range(layers):
       w_gate_LDF, w_up_LDF, w_down_LFD = weights[3 * layer:3 * layer + 3]
-      own = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
+      own = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
       to_relay = functools.partial(_cast, dtype=w_down_LFD.dtype)
       state, last = ring_pass(_touch, state, own, axis=rm.EXPERT, n=n)
       if reverse:

@@ -15,9 +15,8 @@ import gzip
 import json
 import os
 
-KINDS = (("mosaic", "grouped matmul"), ("_gate_up_kernel", "grouped matmul"),  # the last two: `fused_kernels`
-         ("_down_grad_kernel", "grouped matmul"), ("_weight_grad_kernel", "grouped matmul"), ("nccl", "collective"),
-         ("scatter", "scatter"), ("gather", "gather"), ("memcpy", "copy"), ("memset", "copy"), ("fusion", "fusion"))
+KINDS = (("mosaic", "grouped matmul"), ("nccl", "collective"), ("scatter", "scatter"), ("gather", "gather"),
+         ("memcpy", "copy"), ("memset", "copy"), ("fusion", "fusion"))
 
 
 def find_trace(trace_dir):

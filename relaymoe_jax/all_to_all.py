@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.grouped_matmul import expert_swiglu, fuse_gate_up, resolve_backend
+from relaymoe_jax import gate_up
+from relaymoe_jax.grouped_matmul import expert_swiglu, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
 
 
@@ -59,7 +60,7 @@ def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout,
   order_M = jnp.argsort(local_expert_NC.reshape(-1), stable=True)
   sizes_L = recv_NL.sum(0)
   recv_MD = recv_NCD.reshape(n * slots, x_TD.shape[1])  # D, not -1: with no slots, -1 divides by zero
-  y_MD, _ = expert_swiglu(recv_MD[order_M], fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD, sizes_L, backend=backend)
+  y_MD, _ = expert_swiglu(recv_MD[order_M], gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD, sizes_L, backend=backend)
   y_MD = jnp.where((jnp.arange(n * slots) < sizes_L.sum())[:, None], y_MD, 0.0).astype(x_TD.dtype)
   back_NCD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(recv_NCD.shape)
   ret_NCD = jax.lax.all_to_all(back_NCD, axis, 0, 0)  # [destination, C, D], home again

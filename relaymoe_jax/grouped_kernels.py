@@ -1,6 +1,7 @@
 """The grouped-matmul interface, its `lax.ragged_dot` backend, and `kernel_backend`: three kernels (forward, input
 gradient, weight gradient) made into one differentiable grouped matmul that falls back to `lax.ragged_dot`, with a
-logged reason, for shapes or dtypes the kernels do not take.
+logged reason, for shapes or dtypes the kernels do not take; `kernel_swiglu`, the same for a set's gate/up kernel
+with SwiGLU in its epilogue.
 
 No communication. A grouped matmul computes out[m] = lhs[m] @ rhs[l(m)] for rows grouped contiguously by sizes_L,
 with zeros in rows past sum(sizes_L). Below both `grouped_matmul` (the backends by name) and `mosaic_gpu` (one
@@ -15,6 +16,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax import gate_up
 from relaymoe_jax.layout import vary_like, varying_axes
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class GroupedKernels:
     lhs_grad: (d_out_MO, rhs_LIO, sizes_L) -> d_lhs_MI, i.e. d_out @ rhs[l]ᵀ per group.
     rhs_grad: (lhs_MI, d_out_MO, sizes_L) -> d_rhs_LIO, i.e. lhs[rows of l]ᵀ @ d_out[rows of l] (zero if empty).
     unsupported: (m, i, o, dtype) -> None, or the reason these kernels cannot take that shape.
+    swiglu: (x_MD, w_gate_up_LDU, sizes_L, keep) -> (h_MF, gate_up_MU if keep else None), the gate/up product in
+      `gate_up`'s layout with SwiGLU in its epilogue; None: the set has no such kernel.
+    swiglu_unsupported: (m, d, u, dtype) -> None, or the reason `swiglu` cannot take that shape.
   """
 
   name: str
@@ -48,6 +53,8 @@ class GroupedKernels:
   lhs_grad: Callable
   rhs_grad: Callable
   unsupported: Callable
+  swiglu: Callable | None = None
+  swiglu_unsupported: Callable | None = None
 
 
 def fill_past_groups(x_M, sizes_L, value):
@@ -86,8 +93,62 @@ def _kernel_vjp(kernels):
 
 
 @functools.lru_cache(maxsize=None)
+def _swiglu_vjp(kernels):
+  """The SwiGLU kernel made differentiable: its forward also keeps gate|up, from which the backward takes SwiGLU's
+  derivative and runs the plain kernels' input and weight gradients."""
+  gmm = _kernel_vjp(kernels)
+
+  @jax.custom_vjp
+  def gate_up_swiglu(x_MD, w_LDU, sizes_L):
+    return _rows_in_groups(kernels.swiglu(x_MD, w_LDU, sizes_L, False)[0], sizes_L)
+
+  def gate_up_swiglu_fwd(x_MD, w_LDU, sizes_L):
+    h_MF, gate_up_MU = kernels.swiglu(x_MD, w_LDU, sizes_L, True)
+    return _rows_in_groups(h_MF, sizes_L), (x_MD, w_LDU, sizes_L, gate_up_MU)
+
+  def gate_up_swiglu_bwd(residuals, d_h_MF):
+    x_MD, w_LDU, sizes_L, gate_up_MU = residuals
+    _, swiglu_vjp = jax.vjp(lambda a: gate_up.swiglu(a, jnp.float32), gate_up_MU.astype(jnp.float32))
+    (d_gate_up_MU,) = swiglu_vjp(d_h_MF.astype(jnp.float32))
+    _, product_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_MD, w_LDU)
+    return (*product_vjp(d_gate_up_MU.astype(x_MD.dtype)), None)
+
+  gate_up_swiglu.defvjp(gate_up_swiglu_fwd, gate_up_swiglu_bwd)
+  return gate_up_swiglu
+
+
+def kernel_swiglu(kernels):
+  """silu(x·gate)·(x·up) for rows grouped by expert (weights in `gate_up`'s layout) on the set's SwiGLU kernel:
+  (x_MD, w_gate_up_LDU, sizes_L, keep) -> (h_MF, gate_up_MU if keep else None), differentiable where not `keep`;
+  or None where the set has no such kernel, or it (or the plain kernels, for the down projection that reads h)
+  cannot take the shape (logged once per reason)."""
+
+  def swiglu(x_MD, w_LDU, sizes_L, keep):
+    (m, d), u, dtype = x_MD.shape, w_LDU.shape[2], jnp.dtype(x_MD.dtype)
+    if kernels.swiglu is None:
+      return None
+    reason = kernels.swiglu_unsupported(m, d, u, dtype) or kernels.unsupported(m, u // 2, d, dtype)
+    if reason:
+      _log_swiglu_fallback(kernels.name, reason)
+      return None
+    axes = tuple(sorted(set(varying_axes(x_MD)) | set(varying_axes(w_LDU))))
+    x_MD, w_LDU, sizes_L = vary_like(x_MD, axes), vary_like(w_LDU, axes), sizes_L.astype(jnp.int32)
+    if keep:
+      h_MF, gate_up_MU = kernels.swiglu(x_MD, w_LDU, sizes_L, True)
+      return vary_like(_rows_in_groups(h_MF, sizes_L), axes), vary_like(gate_up_MU, axes)
+    return vary_like(_swiglu_vjp(kernels)(x_MD, w_LDU, sizes_L), axes), None
+
+  return swiglu
+
+
+@functools.lru_cache(maxsize=None)
 def log_fallback(name, reason):
   log.warning("grouped matmul: %s falls back to xla: %s", name, reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_swiglu_fallback(name, reason):
+  log.warning("SwiGLU: %s's fused gate/up kernel does not apply (%s); gate/up and SwiGLU run apart", name, reason)
 
 
 def kernel_backend(kernels) -> GroupedMatmul:

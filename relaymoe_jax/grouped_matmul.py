@@ -4,14 +4,11 @@ No communication. A backend computes out[m] = lhs[m] @ rhs[l(m)] for rows groupe
 zeros in rows past sum(sizes_L) (the interface: `grouped_kernels.GroupedMatmul`). Backends:
   xla               `lax.ragged_dot`: runs everywhere; on CPU and (as of JAX 0.11) GPU a dense masked dot.
   xla_scan          a loop over groups: slow, but with a grouped kernel's memory (for memory analysis on CPU).
-  mosaic_gpu        JAX's Hopper Mosaic GPU kernels (see `mosaic_gpu.py`), through `grouped_kernels.kernel_backend`.
-  kernel_reference  the `kernel_backend` path with `lax` reference kernels that, like the Mosaic ones, leave
-                    garbage past sum(sizes_L): checks the custom_vjp, masking and fallbacks anywhere.
+  mosaic_gpu        Hopper Mosaic GPU kernels (see `mosaic_gpu.py`), through `grouped_kernels.kernel_backend`, and
+                    SwiGLU in the gate/up kernel's epilogue (`grouped_kernels.kernel_swiglu`).
+  kernel_reference  the same paths with `lax` reference kernels that, like the Mosaic ones, leave garbage past
+                    sum(sizes_L): checks the custom_vjps, masking and fallbacks anywhere.
   auto              mosaic_gpu on Hopper GPUs, xla elsewhere.
-The rings' hops also take a fused expert path (`fused_expert.py`) by name; its other grouped matmuls (and every
-other caller's) run on the backend FUSED_BACKENDS names:
-  fused_triton      Pallas Triton kernels that read rows by token index, SwiGLU in their epilogues (NVIDIA GPUs).
-  fused_reference   the same path on `lax` references of the three kernels (anywhere: the tests).
 Shape letters: see relaymoe_jax.
 """
 
@@ -20,9 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax import mosaic_gpu
+from relaymoe_jax import gate_up, mosaic_gpu
 from relaymoe_jax.grouped_kernels import (GroupedKernels, GroupedMatmul, fill_past_groups, kernel_backend,
-                                          xla_ragged_dot)
+                                          kernel_swiglu, xla_ragged_dot)
 from relaymoe_jax.layout import vary_like, varying_axes
 
 
@@ -63,8 +60,18 @@ def _reference_unsupported(m, i, o, dtype):
   return f"I={i} is odd" if i % 2 else None  # a stand-in constraint to test
 
 
+def _reference_swiglu(x_MD, w_gate_up_LDU, sizes_L, keep):
+  gate_up_MU = _reference_dot(x_MD, w_gate_up_LDU, sizes_L)
+  return gate_up.swiglu(gate_up_MU, x_MD.dtype), (gate_up_MU if keep else None)
+
+
+def _reference_swiglu_unsupported(m, d, u, dtype):
+  return f"D={d} is not a multiple of 4" if d % 4 else None  # a stand-in constraint to test
+
+
 REFERENCE_KERNELS = GroupedKernels(name="kernel_reference", forward=_reference_dot, lhs_grad=_reference_lhs_grad,
-                                   rhs_grad=_reference_rhs_grad, unsupported=_reference_unsupported)
+                                   rhs_grad=_reference_rhs_grad, unsupported=_reference_unsupported,
+                                   swiglu=_reference_swiglu, swiglu_unsupported=_reference_swiglu_unsupported)
 
 BACKENDS: dict[str, GroupedMatmul] = {
     "xla": xla_ragged_dot,
@@ -72,10 +79,9 @@ BACKENDS: dict[str, GroupedMatmul] = {
     "kernel_reference": kernel_backend(REFERENCE_KERNELS),
     "mosaic_gpu": kernel_backend(mosaic_gpu.KERNELS),
 }
-
-
-# A fused expert path → the backend of its unfused grouped matmuls (the down projection, the input gradient).
-FUSED_BACKENDS = {"fused_triton": "mosaic_gpu", "fused_reference": "kernel_reference"}
+# Backends with SwiGLU in their gate/up kernel's epilogue (see `grouped_kernels.kernel_swiglu`).
+SWIGLU_BACKENDS = {"kernel_reference": kernel_swiglu(REFERENCE_KERNELS),
+                   "mosaic_gpu": kernel_swiglu(mosaic_gpu.KERNELS)}
 
 
 def _hopper(device):
@@ -91,15 +97,13 @@ def resolve_backend(name, mesh=None):
   and returned."""
   if name == "auto":
     return "mosaic_gpu" if _hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0]) else "xla"
-  if name not in BACKENDS and name not in FUSED_BACKENDS:
-    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: "
-                     f"{sorted([*BACKENDS, *FUSED_BACKENDS, 'auto'])}")
+  if name not in BACKENDS:
+    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
   return name
 
 
 def get_backend(name) -> GroupedMatmul:
-  name = resolve_backend(name)
-  return BACKENDS[FUSED_BACKENDS.get(name, name)]
+  return BACKENDS[resolve_backend(name)]
 
 
 # `lax.ragged_dot` without a kernel (XLA:CPU, and XLA:GPU as of JAX 0.11) is a dense masked dot whose temporaries
@@ -111,7 +115,7 @@ ROW_ALIGN = 128
 
 def max_chunk_rows(backend, groups, width):
   """The most rows one grouped-matmul call should get from a chunked caller, or None for no limit."""
-  if FUSED_BACKENDS.get(backend, backend) != "xla":  # the others hold M×O at most
+  if backend != "xla":  # the others hold M×O at most
     return None
   return max(ROW_ALIGN, DENSE_FALLBACK_ELEMENTS // (groups * width) // ROW_ALIGN * ROW_ALIGN)
 
@@ -121,38 +125,28 @@ def matmul_precision(dtype):
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def fuse_gate_up(w_gate_LDF, w_up_LDF):
-  """[gate | up] along F, so a hop runs two grouped matmuls forward instead of three. Done once per call, per
-  device (under expert tensor parallelism each device pairs its own slices of gate and up)."""
-  return jnp.concatenate([w_gate_LDF, w_up_LDF], axis=2)
-
-
-def split_gate_up(gate_up):
-  """Inverse of `fuse_gate_up` along the last axis (weights [L, D, 2F] or activations [R, 2F])."""
-  f = gate_up.shape[-1] // 2
-  return gate_up[..., :f], gate_up[..., f:]
-
-
-def _swiglu_activation(gate_up_RU, dtype):
-  gate_RF, up_RF = split_gate_up(gate_up_RU)
-  return (jax.nn.silu(gate_RF) * up_RF).astype(dtype)
-
-
 def matmul_options(dtype):
   return dict(preferred_element_type=jnp.float32, precision=matmul_precision(dtype))
 
 
-def expert_swiglu(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, *, backend="xla"):
-  """down(silu(x·gate) · (x·up)) for rows grouped by expert, with gate and up fused (U = 2F); float32 result and
-  accumulation.
+def expert_swiglu(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, *, backend="xla", keep_gate_up=False):
+  """down(silu(x·gate) · (x·up)) for rows grouped by expert, with gate and up fused (U = 2F, `gate_up`'s layout);
+  float32 result and accumulation. SwiGLU runs in the gate/up kernel's epilogue where the backend has one that
+  takes the shape (`SWIGLU_BACKENDS`); differentiable unless `keep_gate_up`.
 
   Returns:
-    (y_RD float32, gate_up_RU = x·[gate | up] in x's dtype, for a backward that keeps it).
+    (y_RD float32, gate_up_RU = x·[gate | up] in x's dtype if `keep_gate_up` (for a backward that keeps it), else
+    None).
   """
   gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
-  gate_up_RU = gmm(x_RD, w_gate_up_LDU, sizes_L)
-  act_RF = _swiglu_activation(gate_up_RU, x_RD.dtype)
-  return gmm(act_RF, w_down_LFD, sizes_L), gate_up_RU.astype(x_RD.dtype)
+  fused = SWIGLU_BACKENDS.get(resolve_backend(backend))
+  fused = fused and fused(x_RD, w_gate_up_LDU, sizes_L, keep_gate_up)
+  if fused:
+    act_RF, gate_up_RU = fused
+  else:
+    gate_up_RU = gmm(x_RD, w_gate_up_LDU, sizes_L)
+    act_RF = gate_up.swiglu(gate_up_RU, x_RD.dtype)
+  return gmm(act_RF, w_down_LFD, sizes_L), (gate_up_RU.astype(x_RD.dtype) if keep_gate_up else None)
 
 
 def expert_swiglu_backward(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, dy_RD, w_R, *, backend="xla",
@@ -171,7 +165,7 @@ def expert_swiglu_backward(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, dy_RD, w_R,
   gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
   # With gate_up_RU given, only this product's transposes are used: its forward is dead code that XLA removes.
   recomputed_RU, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDU)
-  gate_RF, up_RF = split_gate_up((recomputed_RU if gate_up_RU is None else gate_up_RU).astype(jnp.float32))
+  gate_RF, up_RF = gate_up.split((recomputed_RU if gate_up_RU is None else gate_up_RU).astype(jnp.float32))
   sigmoid_RF = jax.nn.sigmoid(gate_RF)
   silu_RF = gate_RF * sigmoid_RF
   act_RF = (silu_RF * up_RF).astype(x_RD.dtype)  # as the forward's
@@ -181,11 +175,10 @@ def expert_swiglu_backward(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, dy_RD, w_R,
   g_RF, dw_down_LFD = down_vjp(dy_RD.astype(jnp.float32))
   g_RF = g_RF.astype(jnp.float32)
   dw_R = jnp.sum(g_RF * act_RF.astype(jnp.float32), axis=-1)
-  # SwiGLU's derivative by hand, one concatenation: autodiff's transpose of the [gate | up] split is two padded
-  # halves added, and XLA computed both halves (sigmoid included) for every element of the result.
+  # SwiGLU's derivative by hand, one join: autodiff's transpose of the gate/up split is two padded halves added,
+  # and XLA computed both halves (sigmoid included) for every element of the result.
   d_act_RF = g_RF * w_R1
-  d_gate_up_RU = jnp.concatenate([d_act_RF * up_RF * sigmoid_RF * (1 + gate_RF * (1 - sigmoid_RF)),
-                                  d_act_RF * silu_RF], axis=-1)
+  d_gate_up_RU = gate_up.join(d_act_RF * up_RF * sigmoid_RF * (1 + gate_RF * (1 - sigmoid_RF)), d_act_RF * silu_RF)
   dx_RD, dw_gate_up_LDU = gate_up_vjp(d_gate_up_RU)
   return (dx_RD.astype(jnp.float32), dw_R, dw_gate_up_LDU.astype(jnp.float32),
           dw_down_LFD.astype(jnp.float32))

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax import fused_expert
 from relaymoe_jax.chunks import chunk_at, for_each_chunk, level_runs
 from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
@@ -83,13 +82,6 @@ def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
   return acc_TD + jnp.sum(jnp.where(in_TK[..., None], v_TKD, 0.0), axis=1)
 
 
-def _fused(backend, tok_R, x_TD, weights, backward=False):
-  """Whether this chunk's forward (or `backward`) runs the fused expert path (`fused_expert`), which reads its rows
-  by token index."""
-  return fused_expert.is_fused(backend) and fused_expert.takes(backend, tok_R.shape[0], x_TD.shape[1],
-                                                               weights[1].shape[1], x_TD.dtype, backward)
-
-
 def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PU=None):
   """acc_TD (float32) += Σ over the range's pairs of w · SwiGLU_expert(x).
 
@@ -102,12 +94,8 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
 
   def chunk(rows, carry):
     acc_TD, kept_PU = carry
-    tok_R = tokens.tok_P[rows.pos_R]
-    if _fused(backend, tok_R, tokens.x_TD, weights):
-      y_RD, gate_up_RU = fused_expert.expert_swiglu(tokens.x_TD, tok_R, *weights, rows.sizes_L, backend=backend,
-                                                    keep_gate_up=kept_PU is not None)
-    else:
-      y_RD, gate_up_RU = expert_swiglu(tokens.x_TD[tok_R], *weights, rows.sizes_L, backend=backend)
+    y_RD, gate_up_RU = expert_swiglu(tokens.x_TD[tokens.tok_P[rows.pos_R]], *weights, rows.sizes_L, backend=backend,
+                                     keep_gate_up=kept_PU is not None)
     if kept_PU is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
       to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PU.shape[0] + jnp.arange(rows.pos_R.shape[0]))
       kept_PU = kept_PU.at[to_R].set(gate_up_RU.astype(kept_PU.dtype), mode="drop", unique_indices=True)
@@ -138,15 +126,10 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     w_R = vary_like(jnp.where(rows.valid_R, tokens.w_P[rows.pos_R].astype(jnp.float32), 0.0), vary_axes)
     # Rows past the range may be another range's or never written (pairs of no expert): zeros, not garbage.
     kept_RU = None if gate_up_PU is None else jnp.where(valid_R1, gate_up_PU[rows.pos_R], 0)
-    if _fused(backend, tok_R, tokens.x_TD, weights, backward=True):  # its kernels read the chunk's rows of x, dy
-      dx_RD, dw_R, *dW_chunk = fused_expert.expert_swiglu_backward(
-          vary_like(tokens.x_TD, vary_axes), tok_R, *weights, rows.sizes_L, vary_like(dy_TD, vary_axes), w_R,
-          backend=backend, gate_up_RU=kept_RU)
-    else:
-      dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
-      dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
-          vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes), w_R,
-          backend=backend, gate_up_RU=kept_RU)
+    dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
+    dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
+        vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes), w_R,
+        backend=backend, gate_up_RU=kept_RU)
     # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
     # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)

@@ -1,14 +1,17 @@
-"""JAX's Hopper grouped-matmul kernels (Pallas Mosaic GPU) as a `GroupedKernels` set, with per-shape tiles.
+"""Hopper grouped-matmul kernels (Pallas Mosaic GPU) as a `GroupedKernels` set: ours (`hopper_grouped`) and JAX's,
+with per-shape tiles for JAX's.
 
-No communication. forward = `ragged_dot_mgpu.ragged_dot`; input gradient = the same kernel with
-`transpose_rhs=True` (the weights are read transposed in shared memory, never copied); weight gradient =
-`transposed_ragged_dot_mgpu.transposed_ragged_dot`. Their constraints (checked in `unsupported`, which sends other
-shapes to `xla`): bf16/f16 inputs, the contraction width I of `ragged_dot` a multiple of block_k, output widths a
-multiple of the output tile, and shared memory ≤ 228 kB per SM. Tiles come from `mosaic_gpu_tiles.json` (keyed by
-op and I×O, written by `python -m benchmarks.grouped_gemm --tune`), else the defaults below, shrunk to divide the
-shape. Importing this module needs a JAX with Pallas Mosaic GPU (the CPU jaxlib has it too, so `grouped_matmul`
-imports it everywhere); tracing its kernels needs a Hopper GPU, or (compiling for GPUs this process does not have,
-e.g. `relaymoe-plan --topology`) a mesh of them around the call. Shape letters: see relaymoe_jax.
+No communication. forward = `hopper_grouped`'s kernel from `hopper_grouped.MIN_ROWS` rows, else JAX's
+`ragged_dot_mgpu.ragged_dot`; input gradient = the same kernels reading the weights transposed in shared memory
+(never copied); weight gradient = JAX's `transposed_ragged_dot_mgpu.transposed_ragged_dot`; SwiGLU fused into the
+gate/up product = `hopper_grouped.gate_up_swiglu`. JAX's kernels' constraints (checked in `unsupported`, which
+sends other shapes to `xla`): bf16/f16 inputs, the contraction width I of `ragged_dot` a multiple of block_k,
+output widths a multiple of the output tile, and shared memory ≤ 228 kB per SM. Their tiles come from
+`mosaic_gpu_tiles.json` (keyed by op and I×O, written by `python -m benchmarks.grouped_gemm --tune`), else the
+defaults below, shrunk to divide the shape. Importing this module needs a JAX with Pallas Mosaic GPU (the CPU
+jaxlib has it too, so `grouped_matmul` imports it everywhere); tracing its kernels needs a Hopper GPU, or
+(compiling for GPUs this process does not have, e.g. `relaymoe-plan --topology`) a mesh of them around the call.
+Shape letters: see relaymoe_jax.
 """
 
 import contextlib
@@ -22,6 +25,7 @@ from jax._src.lib.mlir import ir
 from jax.experimental.mosaic.gpu import dialect as mosaic_dialect
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
+from relaymoe_jax import hopper_grouped
 from relaymoe_jax.grouped_kernels import GroupedKernels
 
 TILES_FILE = pathlib.Path(__file__).with_name("mosaic_gpu_tiles.json")
@@ -76,11 +80,17 @@ def unsupported(m, i, o, dtype):
 
 
 def forward(lhs_MI, rhs_LIO, sizes_L):
+  (m, i), o = lhs_MI.shape, rhs_LIO.shape[2]
+  if hopper_grouped.takes(m, i, o, lhs_MI.dtype):
+    return hopper_grouped.forward(lhs_MI, rhs_LIO, sizes_L)
   return ragged_dot_mgpu.ragged_dot(lhs_MI, rhs_LIO, group_sizes=sizes_L,
                                     **tiles_for(RAGGED, lhs_MI.shape[1], rhs_LIO.shape[2]))
 
 
 def lhs_grad(d_out_MO, rhs_LIO, sizes_L):
+  (m, o), i = d_out_MO.shape, rhs_LIO.shape[1]
+  if hopper_grouped.takes(m, o, i, d_out_MO.dtype):
+    return hopper_grouped.lhs_grad(d_out_MO, rhs_LIO, sizes_L)
   # rhs [L, I, O] read as [L, n=I, k=O] with transpose_rhs: d_out @ rhs[l]ᵀ with no transposed copy.
   return ragged_dot_mgpu.ragged_dot(d_out_MO, rhs_LIO, group_sizes=sizes_L, transpose_rhs=True,
                                     **tiles_for(RAGGED, d_out_MO.shape[1], rhs_LIO.shape[1]))
@@ -146,4 +156,5 @@ def stable_kernel_hashes():
 
 
 KERNELS = GroupedKernels(name="mosaic_gpu", forward=forward, lhs_grad=lhs_grad, rhs_grad=rhs_grad,
-                         unsupported=unsupported)
+                         unsupported=unsupported, swiglu=hopper_grouped.gate_up_swiglu,
+                         swiglu_unsupported=hopper_grouped.swiglu_unsupported)

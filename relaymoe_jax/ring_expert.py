@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.grouped_matmul import fuse_gate_up
+from relaymoe_jax import gate_up
 from relaymoe_jax.hop import backward_pairs, forward_pairs, token_side, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range
@@ -64,7 +64,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
     return forward_pairs(tokens, _visiting_range(spec, plan.counts_E, partition), weights, acc_TD,
                          gate_up_PU=gate_up_PU, static_chunks=spec.static_chunks, **spec.chunk_options)
 
-  weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
+  weights = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
   acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
   # Uninitialised (no fill of its size): every row read back is first written or masked (`backward_pairs`).
   gate_up_PU = (vary_like(jax.lax.empty((plan.order_P.shape[0], weights[0].shape[2]), x_TD.dtype),
@@ -81,7 +81,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   tokens = token_side(x_TD, plan, w_TK, spec.chunk_rows)
-  own = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
+  own = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(grads, partition, weights):
     # A hop's weight gradient is relayed in the weights' dtype, so it is summed over the hop's chunks in that dtype
@@ -119,7 +119,7 @@ class RingExpert:
       memory is short; the Qwen3-30B layer at 65536 tokens on one H200 ran 18% slower capped at 131072 rows,
       docs/memory.md). Not with `chunk_rows`.
     backend: grouped-matmul backend: "auto" (Mosaic GPU kernels on Hopper, else "xla"), "xla", "mosaic_gpu",
-      "kernel_reference", or a fused expert path: "fused_triton", "fused_reference" (see `grouped_matmul`).
+      "kernel_reference" (see `grouped_matmul`).
     recompute: True (RelayMoE): a custom backward that re-circulates the weights, recomputes each hop's
       intermediates inside the hop and relays weight gradients home. False: plain autodiff through the same ring
       forward with a fixed worst-case chunk count per hop; an ablation that keeps every hop's intermediates.

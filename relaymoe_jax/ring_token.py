@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.grouped_matmul import fuse_gate_up
+from relaymoe_jax import gate_up
 from relaymoe_jax.hop import (TokenSide, backward_pairs, forward_pairs, token_side, with_token_positions,
                               zero_pair_grads)
 from relaymoe_jax.layout import vary_like, varying_zeros
@@ -50,7 +50,7 @@ def _identity(x):
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
   layout = spec.layout
   plan = make_pair_plan(idx_TK, spec.num_experts)
-  weights = (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD)
+  weights = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(state, _partition, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
@@ -67,7 +67,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, dy_TD, *, spec):
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
-  weights = tuple(vary_like(w, layout.compute_axes) for w in (fuse_gate_up(w_gate_LDF, w_up_LDF), w_down_LFD))
+  weights = tuple(vary_like(w, layout.compute_axes) for w in (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD))
 
   def hop(dW, _partition, visiting):
     grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)

@@ -14,7 +14,8 @@ import math
 import jax
 
 from relaymoe_jax.chunks import check_ladder, check_row_cap, default_chunk_rows
-from relaymoe_jax.grouped_matmul import FUSED_BACKENDS, max_chunk_rows, resolve_backend, split_gate_up
+from relaymoe_jax import gate_up
+from relaymoe_jax.grouped_matmul import max_chunk_rows, resolve_backend
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.pair_plan import unsort_pair_values
 
@@ -54,9 +55,6 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
   `recompute=False` (the autodiff ablation): one chunk size and a fixed chunk count per hop."""
   check_row_cap(chunk_rows, row_cap)
   backend = resolve_backend(backend, layout.mesh)
-  if not recompute and backend in FUSED_BACKENDS:
-    raise ValueError(f"backend={backend!r} needs recompute=True: its kernels have no autodiff rule (the "
-                     "recomputing backward calls their gradients itself)")
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
   ladder = _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF)
@@ -70,7 +68,7 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, rec
 def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
   """A ring backward's per-device results: weight gradients split back into gate and up and summed over the data
   axes; dx and d(router weight) summed over the tensor axis (ETP) and put back in token order; input dtypes."""
-  dW = tuple(d.astype(x_TD.dtype) for d in (*split_gate_up(dw_gate_up), dw_down))
+  dW = tuple(d.astype(x_TD.dtype) for d in (*gate_up.split(dw_gate_up), dw_down))
   if layout.replica_axes:
     dW = jax.lax.psum(dW, layout.replica_axes)
   dx_TD = layout.sum_tensor_partials(grads.dx_TD)
