@@ -6,9 +6,9 @@ a tile's next steps run under its matmuls. The (row tile, group) visits are comp
 (`group_visits`), so a tile costs four scalar loads, not a search over the groups; a tile holding rows of two
 groups is visited once per group and stores only its group's rows. Rows past sum(sizes_L) are not written.
 
-The SwiGLU epilogue takes gate/up weights in `gate_up`'s layout, where each output tile's columns hold a block of
-gate then the same block of up, and writes h = silu(gate)·up (and, where kept, gate|up itself): the [M, 2F]
-activations need not go to memory and back.
+With SwiGLU in the epilogue (weights [L, D, 2F] as `gate_up.join` lays them out) a CTA loads a block of gate's
+columns and the same block of up's, each warpgroup multiplies half of both, and writes h = silu(gate)·up (and,
+where kept, gate|up itself): the [M, 2F] activations need not go to memory and back.
 
 On one H200 at the ring of one's shapes (524288 rows, 128 groups) it ran 696–730 TFLOP/s where JAX's Mosaic
 `ragged_dot` ran 411–606; at an EP 8 hop's (32768 rows, 16 groups) 0.85–1.0× of it (benchmarks/results/RUNS.md),
@@ -24,8 +24,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from relaymoe_jax import gate_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +63,15 @@ def swiglu_unsupported(m, d, u, dtype):
   """None, or why the SwiGLU kernel cannot take x [m, d] against gate/up weights [·, d, u]."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     return f"dtype {dtype} (the kernel takes bfloat16 or float16)"
-  if gate_up.block_of(u // 2) != TILES.tile_n // 2:
-    return f"F={u // 2} is not a multiple of {TILES.tile_n // 2}"
   if d % KEEP_TILES.tile_k or d % TILES.tile_k or u % (2 * TILES.tile_n):
-    return f"D={d} or 2F={u} does not divide into tiles {TILES}"
+    return f"D={d} or F={u // 2} does not divide into tiles {TILES}"
   return None
 
 
 def gate_up_swiglu(x_MD, w_gate_up_LDU, sizes_L, keep):
-  """(h_MF, gate_up_MU if `keep` else None): x·[gate | up] in `gate_up`'s layout, SwiGLU in the epilogue."""
+  """(h_MF, gate_up_MU if `keep` else None): x·[gate | up], SwiGLU in the epilogue."""
   if keep:
-    return tuple(grouped_matmul(x_MD, w_gate_up_LDU, sizes_L, tiles=KEEP_TILES, swiglu=True, keep=True))
+    return tuple(grouped_matmul(x_MD, w_gate_up_LDU, sizes_L, swiglu=True, keep=True))
   return grouped_matmul(x_MD, w_gate_up_LDU, sizes_L, swiglu=True), None
 
 
@@ -116,45 +112,48 @@ def _silu_times(gate, up):
   return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def grouped_matmul(lhs_MK, rhs_LKN, sizes_L, *, tiles=TILES, transpose_rhs=False, swiglu=False, keep=False,
+def grouped_matmul(lhs_MK, rhs_LKN, sizes_L, *, tiles=None, transpose_rhs=False, swiglu=False, keep=False,
                    num_sms=None, interpret=False):
   """lhs [M, K] × rhs [L, K, N] ([L, N, K] with `transpose_rhs`) → [M, N] in lhs's dtype, float32 accumulation.
-  With `swiglu` (rhs [L, K, U] in `gate_up`'s layout, block tile_n/2) → h [M, U/2], and with `keep` also the
-  [M, U] product itself: (h, gate_up)."""
+  With `swiglu` (rhs [L, K, U], U = 2F in `gate_up`'s layout) → h [M, F], and with `keep` also the [M, U] product
+  itself: (h, gate_up). `tiles`: default TILES, or KEEP_TILES where a second output tile must fit."""
+  tiles = tiles or (KEEP_TILES if keep else TILES)
   m, k = lhs_MK.shape
   n = rhs_LKN.shape[1] if transpose_rhs else rhs_LKN.shape[2]
   tile_m, tile_n, tile_k = tiles.tile_m, tiles.tile_n, tiles.tile_k
-  cta_n = 2 * tile_n
-  if k % tile_k or n % cta_n:
-    raise ValueError(f"K={k} must divide by tile_k={tile_k} and N={n} by 2·tile_n={cta_n}")
-  if swiglu and gate_up.block_of(n // 2) != tile_n // 2:
-    raise ValueError(f"SwiGLU needs tile_n={tile_n} twice gate_up's block of F={n // 2}: "
-                     f"{gate_up.block_of(n // 2)}")
-  n_iters, k_iters = n // cta_n, k // tile_k
-  h_cols = tile_n // 2 if swiglu else tile_n  # per warpgroup
+  if swiglu:  # a CTA's gate block and the same block of up: each warpgroup takes half of both
+    f = n // 2
+    n_iters, block_n, wg_n = f // tile_n, tile_n, tile_n // 2
+    block_cols = lambda ni: (ni * tile_n, f + ni * tile_n)
+    out_types = [(m, f)] + [(m, n)] * keep
+  else:
+    n_iters, block_n, wg_n = n // (2 * tile_n), 2 * tile_n, tile_n
+    block_cols = lambda ni: (ni * 2 * tile_n,)
+    out_types = [(m, n)]
+  if k % tile_k or n % (2 * tile_n):
+    raise ValueError(f"K={k} must divide by tile_k={tile_k} and N={n} by 2·tile_n={2 * tile_n}")
+  k_iters, blocks = k // tile_k, 2 if swiglu else 1
   visits = group_visits(sizes_L, m, tile_m)
   num_visits = visits[0].shape[0]
   dtype = lhs_MK.dtype
-  out_types = [jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), dtype)]
-  out_smem = [plgpu.SMEM((2, tile_m, h_cols), dtype)]
-  if keep:
-    out_types.append(jax.ShapeDtypeStruct((m, n), dtype))
-    out_smem.append(plgpu.SMEM((2, tile_m, tile_n), dtype))
+  # Per warpgroup, what its tile stores: (which output, at which column of this tile's block).
+  stores = [(0, 0)] + ([(1, 0), (1, f)] if swiglu and keep else [])
 
   def body(tile_gmem, group_gmem, lo_gmem, hi_gmem, lhs_gmem, rhs_gmem, *out_gmem):
-    rhs_block = (cta_n, tile_k) if transpose_rhs else (tile_k, cta_n)
+    rhs_spec = (plgpu.BlockSpec((block_n, tile_k), lambda kk: (0, kk)) if transpose_rhs
+                else plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0)))
 
     def pipeline(mma, context):
       return plgpu.emit_pipeline_warp_specialized(
           mma, grid=(k_iters,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
           max_concurrent_steps=tiles.stages, compute_context=context,
-          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk)),
-                    plgpu.BlockSpec(rhs_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)))])
+          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk))] + [rhs_spec] * blocks)
 
     ignore = lambda *_, **__: None
 
-    @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
-                       out_smem=out_smem, collective_axes="wg")
+    @functools.partial(pl.run_scoped,
+                       allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, *[rhs_gmem] * blocks),
+                       out_smem=[plgpu.SMEM((2, tile_m, wg_n), dtype) for _ in stores], collective_axes="wg")
     def scope(allocations, out_smem):
       wg = lax.axis_index("wg")
 
@@ -163,43 +162,44 @@ def grouped_matmul(lhs_MK, rhs_LKN, sizes_L, *, tiles=TILES, transpose_rhs=False
         (idx,) = info.index
         v, ni = idx // n_iters, idx % n_iters
         tile, group, lo, hi = tile_gmem[v], group_gmem[v], lo_gmem[v], hi_gmem[v]
-        col = ni * 2 + wg  # this warpgroup's output block
+        col = (ni * 2 + wg) * wg_n  # this warpgroup's first output column
 
         def context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def acc_scope(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...]
-            outs = [_silu_times(acc[:, :tile_n // 2], acc[:, tile_n // 2:]) if swiglu else acc]
-            if keep:
-              outs.append(acc)
+          def acc_scope(*acc_refs):
+            eval_pipeline(acc_refs)
+            accs = [a[...] for a in acc_refs]
+            outs = [_silu_times(*accs) if swiglu else accs[0]] + (accs if swiglu and keep else [])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read out_smem
             for out, smem in zip(outs, out_smem):
               smem[wg] = out.astype(dtype)
             plgpu.commit_smem()
-            for smem, gmem in zip(out_smem, out_gmem):
-              _store_rows(smem.at[wg], gmem, tile * tile_m, lo, hi - lo, col * smem.shape[2], tile_m)
+            for smem, (out, offset) in zip(out_smem, stores):
+              _store_rows(smem.at[wg], out_gmem[out], tile * tile_m, lo, hi - lo, offset + col, tile_m)
 
-        def mma(_, lhs_smem, rhs_smem, acc_ref):
-          if transpose_rhs:
-            rhs = plgpu.transpose_ref(rhs_smem.at[pl.ds(wg * tile_n, tile_n)], (1, 0))
-          else:
-            rhs = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
-          plgpu.wgmma(acc_ref, lhs_smem, rhs)
+          pl.run_scoped(acc_scope, *[plgpu.ACC((tile_m, wg_n), jnp.float32)] * blocks)
+
+        def mma(_, lhs_smem, *rest):
+          *rhs_smem, acc_refs = rest
+          for rhs, acc_ref in zip(rhs_smem, acc_refs):
+            if transpose_rhs:
+              rhs = rhs.at[pl.ds(wg * wg_n, wg_n)].transpose((1, 0))
+            else:
+              rhs = rhs.at[:, pl.ds(wg * wg_n, wg_n)]
+            plgpu.wgmma(acc_ref, lhs_smem, rhs)
           plgpu.wgmma_wait(0)
-          return acc_ref
+          return acc_refs
 
         @pl.when(hi > lo)
         def _():
-          cols = pl.ds(ni * cta_n, cta_n)
-          rhs = rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
-          pipeline(mma, context)(lhs_gmem.at[pl.ds(tile * tile_m, tile_m), :], rhs, allocations=allocations)
+          cols = [pl.ds(c, block_n) for c in block_cols(ni)]
+          rhs = [rhs_gmem.at[group, c, :] if transpose_rhs else rhs_gmem.at[group, :, c] for c in cols]
+          pipeline(mma, context)(lhs_gmem.at[pl.ds(tile * tile_m, tile_m), :], *rhs, allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body, out_type=tuple(out_types), grid=(num_sms or _num_sms(),), grid_names=("sm",), num_threads=3,
-      thread_name="wg", interpret=interpret,
+      body, out_type=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in out_types),
+      grid=(num_sms or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   outs = kernel(*visits, lhs_MK, rhs_LKN)
   return outs if keep else outs[0]
