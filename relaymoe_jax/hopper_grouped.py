@@ -10,7 +10,7 @@ With SwiGLU in the epilogue (weights [L, D, 2F] as `gate_up.join` lays them out)
 columns and the same block of up's, each warpgroup multiplies half of both, and writes h = silu(gate)·up (and,
 where kept, gate|up itself): the [M, 2F] activations need not go to memory and back.
 
-On one H200 at the ring of one's shapes (524288 rows, 128 groups) it ran 696–730 TFLOP/s where JAX's Mosaic
+On one H200 at the ring of one's shapes (524288 rows, 128 groups) it ran 623–730 TFLOP/s where JAX's Mosaic
 `ragged_dot` ran 411–606; at an EP 8 hop's (32768 rows, 16 groups) 0.85–1.0× of it (benchmarks/results/RUNS.md),
 hence `MIN_ROWS`. `interpret=` an `InterpretGPUParams` runs it through Pallas's GPU interpreter (the CPU tests;
 rhs read transposed is not interpretable). Shape letters: see relaymoe_jax.
@@ -28,8 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """A CTA computes tile_m rows × 2·tile_n columns (tile_n per compute warpgroup), tile_k of the contraction per
-  pipeline step, `stages` steps in flight."""
+  """A CTA computes tile_m rows (a power of two: the row stores are a ladder of them) × 2·tile_n columns (tile_n per
+  compute warpgroup), tile_k of the contraction per pipeline step, `stages` steps in flight."""
 
   tile_m: int = 128
   tile_n: int = 128
