@@ -7,8 +7,8 @@ dense matmul.
 For the per-hop shapes of the MoE layers (rows M = T·K/N with T = 32768 tokens per GPU, top-k K and ring size N;
 L = E/N groups, random group sizes), each of a hop's two grouped matmuls (gate+up fused: contraction I = D, output
 O = U = 2F; down: I = F, O = D) is timed as forward, input gradient and weight gradient, in bf16, next to
-`lax.ragged_dot` (forward) and a dense matmul of equal FLOPs. The forward and input gradient are timed as the
-`mosaic_gpu` backend runs them (ours from `hopper_grouped.MIN_ROWS` rows, else JAX's) and on each kernel alone.
+`lax.ragged_dot` (forward) and a dense matmul of equal FLOPs. Each is timed as the `mosaic_gpu` backend runs it
+(ours from `hopper_grouped.MIN_ROWS` / `hopper_weight_grad.MIN_ROWS` rows, else JAX's) and on each kernel alone.
 `--tune` first times candidate tiles of JAX's kernels for each shape and writes `relaymoe_jax/mosaic_gpu_tiles.json`.
 Prints a table and writes JSON; the last line is the summary for the Qwen3-30B-A3B EP 8 shape (M 32768, I 2048,
 O 768, L 16: one unfused gate or up projection of a hop, I = D, O = F), the shape at which the grouped-matmul
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from relaymoe_jax import hopper_grouped as hg, mosaic_gpu as mg
+from relaymoe_jax import hopper_grouped as hg, hopper_weight_grad as hw, mosaic_gpu as mg
 
 TOKENS_PER_GPU = 32768
 MODELS = {  # name: (D, F, E, K)
@@ -117,11 +117,14 @@ def measure(p, with_xla):
   row["fwd_tflops"] = tflops(timed(jax.jit(mg.forward), lhs, rhs, sizes))
   row["dgrad_tflops"] = tflops(timed(jax.jit(mg.lhs_grad), d_out, rhs, sizes))
   row["wgrad_tflops"] = tflops(timed(jax.jit(mg.rhs_grad), lhs, d_out, sizes))
+  row["jax_wgrad_tflops"] = tflops(timed(_transposed_call(mg.tiles_for(mg.TRANSPOSED, p.k, p.n)), lhs, d_out, sizes))
   row["jax_fwd_tflops"] = tflops(timed(_ragged_call(mg.tiles_for(mg.RAGGED, p.k, p.n), False), lhs, rhs, sizes))
   row["jax_dgrad_tflops"] = tflops(timed(_ragged_call(mg.tiles_for(mg.RAGGED, p.n, p.k), True), d_out, rhs, sizes))
   fits = hg.takes(hg.MIN_ROWS, p.k, p.n, lhs.dtype), hg.takes(hg.MIN_ROWS, p.n, p.k, lhs.dtype)
   row["hopper_fwd_tflops"] = tflops(timed(jax.jit(hg.forward), lhs, rhs, sizes)) if fits[0] else None
   row["hopper_dgrad_tflops"] = tflops(timed(jax.jit(hg.lhs_grad), d_out, rhs, sizes)) if fits[1] else None
+  fits_wgrad = hw.takes(hw.MIN_ROWS, p.k, p.n, lhs.dtype)
+  row["hopper_wgrad_tflops"] = tflops(timed(jax.jit(hw.weight_grad), lhs, d_out, sizes)) if fits_wgrad else None
   row["tiles"] = {op: mg.tiles_for(op, kk, nn) for op, kk, nn in
                   ((mg.RAGGED, p.k, p.n), (mg.TRANSPOSED, p.k, p.n))}
   dense_rhs = rhs[0]
@@ -202,8 +205,8 @@ def render(rows, runs):
   """The table under one header line per run; rows measured with other tiles than the committed ones are marked."""
   lines = [f"# {m['command']}\n#   {m['device']}, jax {m['jax']}, python {m['python']}"
            + (f"; {m['note']}" if "note" in m else "") for m in runs]
-  lines += ["| shape | M | I | O | L | fwd | dgrad | wgrad | JAX fwd | JAX dgrad | ours fwd | ours dgrad | xla fwd "
-            "| dense |", "|" + "---|" * 14]
+  lines += ["| shape | M | I | O | L | fwd | dgrad | wgrad | JAX fwd | JAX dgrad | JAX wgrad | ours fwd | ours dgrad "
+            "| ours wgrad | xla fwd | dense |", "|" + "---|" * 16]
 
   def fmt(value):
     return "—" if value is None else f"{value:.0f}"
@@ -214,8 +217,9 @@ def render(rows, runs):
     stale += bool(mark)
     lines.append(f"| {r['name']}{mark} | {r['m']} | {r['k']} | {r['n']} | {r['groups']} | {fmt(r['fwd_tflops'])} | "
                  f"{fmt(r['dgrad_tflops'])} | {fmt(r['wgrad_tflops'])} | "
-                 + "".join(f"{fmt(r.get(f'{k}_tflops'))} | " for k in ("jax_fwd", "jax_dgrad", "hopper_fwd",
-                                                                          "hopper_dgrad", "xla_fwd", "dense")).rstrip())
+                 + "".join(f"{fmt(r.get(f'{k}_tflops'))} | " for k in ("jax_fwd", "jax_dgrad", "jax_wgrad",
+                                                                          "hopper_fwd", "hopper_dgrad", "hopper_wgrad",
+                                                                          "xla_fwd", "dense")).rstrip())
   if stale:
     lines.append("† measured with other tiles than `relaymoe_jax/mosaic_gpu_tiles.json` gives now")
   s = next(r for r in rows if r["name"] == "qwen3_30b_ep8")

@@ -199,13 +199,13 @@ def grouped_matmul(lhs_MK, rhs_LKN, sizes_L, *, tiles=None, transpose_rhs=False,
 
   kernel = plgpu.kernel(
       body, out_type=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in out_types),
-      grid=(num_sms or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
+      grid=(num_sms or num_sms_of_target(),), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   outs = kernel(*visits, lhs_MK, rhs_LKN)
   return outs if keep else outs[0]
 
 
-def _num_sms():
+def num_sms_of_target():
   """The SMs of the GPUs being compiled for: the mesh's (a compile-only topology), else this process's."""
   target = jax.sharding.get_abstract_mesh().abstract_device
   return target.num_cores if target is not None else jax.devices()[0].core_count

@@ -3,8 +3,9 @@ with per-shape tiles for JAX's.
 
 No communication. forward = `hopper_grouped`'s kernel from `hopper_grouped.MIN_ROWS` rows, else JAX's
 `ragged_dot_mgpu.ragged_dot`; input gradient = the same kernels reading the weights transposed in shared memory
-(never copied); weight gradient = JAX's `transposed_ragged_dot_mgpu.transposed_ragged_dot`; SwiGLU fused into the
-gate/up product = `hopper_grouped.gate_up_swiglu`. JAX's kernels' constraints (checked in `unsupported`, which
+(never copied); weight gradient = `hopper_weight_grad` from its `MIN_ROWS` rows, else JAX's
+`transposed_ragged_dot_mgpu.transposed_ragged_dot`; SwiGLU fused into the gate/up product =
+`hopper_grouped.gate_up_swiglu`. JAX's kernels' constraints (checked in `unsupported`, which
 sends other shapes to `xla`): bf16/f16 inputs, the contraction width I of `ragged_dot` a multiple of block_k,
 output widths a multiple of the output tile, and shared memory ≤ 228 kB per SM. Their tiles come from
 `mosaic_gpu_tiles.json` (keyed by op and I×O, written by `python -m benchmarks.grouped_gemm --tune`), else the
@@ -25,7 +26,7 @@ from jax._src.lib.mlir import ir
 from jax.experimental.mosaic.gpu import dialect as mosaic_dialect
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-from relaymoe_jax import hopper_grouped
+from relaymoe_jax import hopper_grouped, hopper_weight_grad
 from relaymoe_jax.grouped_kernels import GroupedKernels
 
 TILES_FILE = pathlib.Path(__file__).with_name("mosaic_gpu_tiles.json")
@@ -124,7 +125,10 @@ def _sm_count_of_target():
 
 
 def rhs_grad(lhs_MI, d_out_MO, sizes_L):
-  # The kernel's dynamic grid mixes int32 and int64.
+  (m, i), o = lhs_MI.shape, d_out_MO.shape[1]
+  if hopper_weight_grad.takes(m, i, o, lhs_MI.dtype):
+    return hopper_weight_grad.weight_grad(lhs_MI, d_out_MO, sizes_L)
+  # JAX's kernel's dynamic grid mixes int32 and int64.
   with jax.numpy_dtype_promotion("standard"), _sm_count_of_target():
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
         lhs_MI, d_out_MO, group_sizes=sizes_L, **tiles_for(TRANSPOSED, lhs_MI.shape[1], d_out_MO.shape[1]))

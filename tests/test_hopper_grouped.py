@@ -11,7 +11,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import gate_up, grouped_matmul as gm, hopper_grouped as hg
+from relaymoe_jax import gate_up, grouped_matmul as gm, hopper_grouped as hg, hopper_weight_grad as hw
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 # Rows 0–39 in group 0, group 1 empty, 40–89 in group 2; rows 90–99 in none (left unwritten by the kernel).
@@ -60,6 +60,19 @@ def test_visits_cover_each_group_row_once():
     assert np.all(covered[lo:hi] == -1)
     covered[lo:hi] = g
   np.testing.assert_array_equal(covered, [0] * 40 + [2] * 50 + [4] * 7 + [-1] * 3)
+
+
+# Weight-gradient groups: empty first, a boundary inside a 64-row block, one inside a single block, an empty one
+# between, the last ending 10 rows before M, then an empty one there.
+WGRAD_SIZES = [0, 70, 20, 0, 28, 0]
+
+
+def test_weight_grad_blocks_cover_each_group_from_its_first_block():
+  start, end, first, count = (np.asarray(a) for a in hw.group_blocks(jnp.asarray(WGRAD_SIZES, jnp.int32), 64))
+  np.testing.assert_array_equal(start, [0, 0, 70, 90, 90, 118])
+  np.testing.assert_array_equal(end, [0, 70, 90, 90, 118, 118])
+  np.testing.assert_array_equal(first, [0, 0, 64, 0, 64, 0])  # an empty group reads block 0, all rows masked
+  np.testing.assert_array_equal(count, [1, 2, 1, 1, 1, 1])
 
 
 def _swiglu_loss_and_grads(backend, x, w, sizes, c):
@@ -135,10 +148,31 @@ def test_kernel_on_hopper_matches_ragged_dot():
 
 
 @pytest.mark.gpu
+def test_weight_grad_on_hopper_matches_the_per_group_products():
+  """Every group of `WGRAD_SIZES` (scaled) against lhsᵀ·d_out of its rows in float32; empty groups exactly zero;
+  NaN in the lhs rows past the groups never reaches a product (the last group's block holds them)."""
+  _hopper_or_skip()
+  scale = 64
+  sizes = np.asarray(WGRAD_SIZES) * scale + np.asarray([0, 3, -5, 0, 7, 0])
+  m = -(-(int(sizes.sum()) + 1) // 64) * 64  # the last group ends inside a block, NaN after it
+  rng = np.random.default_rng(4)
+  lhs = jnp.asarray(rng.normal(size=(m, 256)), jnp.bfloat16).at[int(sizes.sum()):].set(jnp.nan)
+  d_out = jnp.asarray(rng.normal(size=(m, 512)), jnp.bfloat16)
+  out = np.asarray(hw.weight_grad(lhs, d_out, jnp.asarray(sizes, jnp.int32)), np.float32)
+  ends = np.cumsum(sizes)
+  for group, (start, end) in enumerate(zip(ends - sizes, ends)):
+    a, b = (np.asarray(v[start:end], np.float32) for v in (lhs, d_out))
+    if start == end:
+      np.testing.assert_array_equal(out[group], 0)
+    else:
+      assert_close(out[group], a.T @ b, BF16_KERNEL_RTOL, f"group {group}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"keep_gate_up": True}])
 def test_expert_ring_of_one_on_hopper_kernels_matches_the_oracle(options):
-  """The ring of one at `MIN_ROWS` pairs, so every grouped matmul but the weight gradients runs on this kernel:
-  output and every gradient against the float32 oracle on the same bf16 inputs."""
+  """The ring of one at `MIN_ROWS` pairs, so every grouped matmul runs on these kernels (weight gradients on
+  `hopper_weight_grad`): output and every gradient against the float32 oracle on the same bf16 inputs."""
   _hopper_or_skip()
   layer = random_layer(25, hg.MIN_ROWS // 2, 256, 128, 8, 2, dtype=jnp.bfloat16)
   assert_matches_oracle(layer, mesh_of((1,), E_ONLY), BF16_RTOL, "ring_expert", backend="mosaic_gpu", **options)
