@@ -33,9 +33,9 @@ class Tiles:
 
 
 TILES = Tiles()
-# On one H200 it ran 1.08–1.16× JAX's `transposed_ragged_dot` at the ring of one's shapes (262144 rows, 128 groups)
-# and at an EP 8 hop's (32768 rows, 16 groups): grouped_gemm run 5 in benchmarks/results/RUNS.md. Fewer rows were
-# not measured, so JAX's kernel keeps them.
+# On one H200 it ran 1.07–1.16× JAX's `transposed_ragged_dot` at the ring of one's shapes (262144 rows, 128
+# groups), an EP 2 hop's and an EP 8 hop's (32768 rows, 16 groups): grouped_gemm runs 5 and 6 in
+# benchmarks/results/RUNS.md. Fewer rows were not measured, so JAX's kernel keeps them.
 MIN_ROWS = 32768
 
 
