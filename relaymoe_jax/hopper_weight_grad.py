@@ -5,8 +5,9 @@ zeros for an empty group. One warpgroup loads through TMA while two compute; a C
 I (half per compute warpgroup) × tile_n columns of O, and its contraction runs over the group's rows in steps of
 tile_k, as many as the group spans (a dynamic pipeline length). The first and last steps straddle other groups'
 rows (or rows past sum(sizes_L)): each compute warpgroup zeroes those rows of its half of the lhs block in shared
-memory by selection, so NaN or Inf there never reaches the product, before it multiplies. Shape letters: see
-relaymoe_jax.
+memory by selection, so NaN or Inf there never reaches the product, before it multiplies. Pallas's GPU
+interpreter cannot run it (a transposed shared-memory operand hangs it): its tests run on a Hopper GPU. Shape
+letters: see relaymoe_jax.
 """
 
 import dataclasses
@@ -56,7 +57,7 @@ def group_blocks(sizes_L, tile_k):
   return start_L, end_L, first_L, count_L
 
 
-def weight_grad(lhs_MI, d_out_MO, sizes_L, *, tiles=TILES, num_sms=None, interpret=False):
+def weight_grad(lhs_MI, d_out_MO, sizes_L, *, tiles=TILES, num_sms=None):
   """[L, I, O] in lhs's dtype, float32 accumulation: per group, lhs[rows of l]ᵀ @ d_out[rows of l]."""
   (m, i), o, groups = lhs_MI.shape, d_out_MO.shape[1], sizes_L.shape[0]
   tile_m, tile_n, tile_k = tiles.tile_m, tiles.tile_n, tiles.tile_k
@@ -124,6 +125,5 @@ def weight_grad(lhs_MI, d_out_MO, sizes_L, *, tiles=TILES, num_sms=None, interpr
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((groups, i, o), dtype),
       grid=(num_sms or num_sms_of_target(),), grid_names=("sm",), num_threads=3, thread_name="wg",
-      interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*group_blocks(sizes_L, tile_k), lhs_MI, d_out_MO)

@@ -1,6 +1,7 @@
 """SwiGLU in the gate/up kernel's epilogue (its custom_vjp, keep, fallback), and the
-warp-specialized Hopper kernel: on CPU in Pallas's GPU interpreter (rhs read transposed is not interpretable), on a
-Hopper GPU under `pytest -m gpu`, each against `lax.ragged_dot` in float32 on the same inputs."""
+warp-specialized Hopper kernels: on CPU in Pallas's GPU interpreter (rhs read transposed is not interpretable, nor
+the weight gradient, which reads its lhs transposed: only its block plan runs on CPU), on a Hopper GPU under
+`pytest -m gpu`, each against `lax.ragged_dot` or per-group products in float32 on the same inputs."""
 
 import logging
 
@@ -62,8 +63,8 @@ def test_visits_cover_each_group_row_once():
   np.testing.assert_array_equal(covered, [0] * 40 + [2] * 50 + [4] * 7 + [-1] * 3)
 
 
-# Weight-gradient groups: empty first, a boundary inside a 64-row block, one inside a single block, an empty one
-# between, the last ending 10 rows before M, then an empty one there.
+# Weight-gradient groups in 64-row blocks: empty first, a boundary inside a block, a group inside one block, an
+# empty one between, and an empty one last.
 WGRAD_SIZES = [0, 70, 20, 0, 28, 0]
 
 
