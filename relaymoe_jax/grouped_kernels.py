@@ -69,13 +69,37 @@ def _rows_in_groups(x_M, sizes_L):
   return fill_past_groups(x_M, sizes_L, 0)
 
 
+def _union_of_varying_axes(arrays):
+  return tuple(sorted(set().union(*(varying_axes(a) for a in arrays))))
+
+
+def _vary_alike(*arrays):
+  """The arrays typed as varying over the same axes (each one's gradient then has its primal's type)."""
+  axes = _union_of_varying_axes(arrays)
+  return tuple(vary_like(a, axes) for a in arrays)
+
+
+def _typed_as_inputs(kernel):
+  """`kernel` with its outputs typed as varying over every mesh axis its array inputs vary over. A `pallas_call`'s
+  outputs come back invariant inside shard_map whatever its inputs were (Mosaic GPU traces kernels with check_vma
+  off), so without this a residual or an output of the custom_vjps below has another type than the cotangents
+  autodiff brings it, and `jax.vjp` inside a backward refuses them."""
+
+  def typed(*args):
+    axes = _union_of_varying_axes(a for a in args if isinstance(a, jax.Array))
+    return jax.tree.map(lambda out: vary_like(out, axes), kernel(*args))
+
+  return typed
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_vjp(kernels):
   """The differentiable grouped matmul of one kernel set: forward, then input and weight gradients."""
+  forward, lhs_grad, rhs_grad = map(_typed_as_inputs, (kernels.forward, kernels.lhs_grad, kernels.rhs_grad))
 
   @jax.custom_vjp
   def gmm(lhs_MI, rhs_LIO, sizes_L):
-    return _rows_in_groups(kernels.forward(lhs_MI, rhs_LIO, sizes_L), sizes_L)
+    return _rows_in_groups(forward(lhs_MI, rhs_LIO, sizes_L), sizes_L)
 
   def gmm_fwd(lhs_MI, rhs_LIO, sizes_L):
     return gmm(lhs_MI, rhs_LIO, sizes_L), (lhs_MI, rhs_LIO, sizes_L)
@@ -83,10 +107,8 @@ def _kernel_vjp(kernels):
   def gmm_bwd(residuals, d_out_MO):
     lhs_MI, rhs_LIO, sizes_L = residuals
     d_out_MO = _rows_in_groups(d_out_MO.astype(lhs_MI.dtype), sizes_L)
-    d_lhs = _rows_in_groups(kernels.lhs_grad(d_out_MO, rhs_LIO, sizes_L), sizes_L)
-    d_rhs = kernels.rhs_grad(lhs_MI, d_out_MO, sizes_L)
-    # Kernels come back invariant inside shard_map; cotangents must carry their primal's varying axes.
-    return vary_like(d_lhs, varying_axes(lhs_MI)), vary_like(d_rhs, varying_axes(rhs_LIO)), None
+    d_lhs = _rows_in_groups(lhs_grad(d_out_MO, rhs_LIO, sizes_L), sizes_L)
+    return d_lhs, rhs_grad(lhs_MI, d_out_MO, sizes_L), None
 
   gmm.defvjp(gmm_fwd, gmm_bwd)
   return gmm
@@ -96,14 +118,14 @@ def _kernel_vjp(kernels):
 def _swiglu_vjp(kernels):
   """The SwiGLU kernel made differentiable: its forward also keeps gate|up, from which the backward takes SwiGLU's
   derivative and runs the plain kernels' input and weight gradients."""
-  gmm = _kernel_vjp(kernels)
+  gmm, swiglu = _kernel_vjp(kernels), _typed_as_inputs(kernels.swiglu)
 
   @jax.custom_vjp
   def gate_up_swiglu(x_MD, w_LDU, sizes_L):
-    return _rows_in_groups(kernels.swiglu(x_MD, w_LDU, sizes_L, False)[0], sizes_L)
+    return _rows_in_groups(swiglu(x_MD, w_LDU, sizes_L, False)[0], sizes_L)
 
   def gate_up_swiglu_fwd(x_MD, w_LDU, sizes_L):
-    h_MF, gate_up_MU = kernels.swiglu(x_MD, w_LDU, sizes_L, True)
+    h_MF, gate_up_MU = swiglu(x_MD, w_LDU, sizes_L, True)
     return _rows_in_groups(h_MF, sizes_L), (x_MD, w_LDU, sizes_L, gate_up_MU)
 
   def gate_up_swiglu_bwd(residuals, d_h_MF):
@@ -131,12 +153,11 @@ def kernel_swiglu(kernels):
     if reason:
       _log_swiglu_fallback(kernels.name, reason)
       return None
-    axes = tuple(sorted(set(varying_axes(x_MD)) | set(varying_axes(w_LDU))))
-    x_MD, w_LDU, sizes_L = vary_like(x_MD, axes), vary_like(w_LDU, axes), sizes_L.astype(jnp.int32)
+    x_MD, w_LDU, sizes_L = _vary_alike(x_MD, w_LDU, sizes_L.astype(jnp.int32))
     if keep:
-      h_MF, gate_up_MU = kernels.swiglu(x_MD, w_LDU, sizes_L, True)
-      return vary_like(_rows_in_groups(h_MF, sizes_L), axes), vary_like(gate_up_MU, axes)
-    return vary_like(_swiglu_vjp(kernels)(x_MD, w_LDU, sizes_L), axes), None
+      h_MF, gate_up_MU = _typed_as_inputs(kernels.swiglu)(x_MD, w_LDU, sizes_L, True)
+      return _rows_in_groups(h_MF, sizes_L), gate_up_MU
+    return _swiglu_vjp(kernels)(x_MD, w_LDU, sizes_L), None
 
   return swiglu
 
@@ -161,9 +182,7 @@ def kernel_backend(kernels) -> GroupedMatmul:
       log_fallback(kernels.name, reason)
       return xla_ragged_dot(lhs_MI, rhs_LIO, sizes_L, preferred_element_type=preferred_element_type,
                             precision=precision)
-    axes = tuple(sorted(set(varying_axes(lhs_MI)) | set(varying_axes(rhs_LIO))))
-    lhs_MI, rhs_LIO = vary_like(lhs_MI, axes), vary_like(rhs_LIO, axes)
-    out = vary_like(_kernel_vjp(kernels)(lhs_MI, rhs_LIO, sizes_L.astype(jnp.int32)), axes)
-    return out.astype(preferred_element_type)
+    args = _vary_alike(lhs_MI, rhs_LIO, sizes_L.astype(jnp.int32))
+    return _kernel_vjp(kernels)(*args).astype(preferred_element_type)
 
   return gmm

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from relaymoe_jax import gate_up, mosaic_gpu
 from relaymoe_jax.grouped_kernels import (GroupedKernels, GroupedMatmul, fill_past_groups, kernel_backend,
@@ -39,10 +40,17 @@ def _scan_ragged_dot(lhs_MI, rhs_LIO, sizes_L, *, preferred_element_type, precis
   return jax.lax.scan(one_group, acc_MO, jnp.arange(rhs_LIO.shape[0]))[0]
 
 
+def _as_a_kernel_returns(x):
+  """x typed invariant inside shard_map, as a `pallas_call`'s outputs are (Mosaic GPU traces its kernels with
+  check_vma off), whatever its inputs varied over: a host callback has the same type and keeps each device's values,
+  so the custom_vjps around the kernels meet on CPU the types they meet on a GPU."""
+  return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
 def _reference_dot(lhs_MI, rhs_LIO, sizes_L):
   out_MO = jax.lax.ragged_dot(lhs_MI, rhs_LIO, sizes_L, precision=jax.lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
-  return fill_past_groups(out_MO.astype(lhs_MI.dtype), sizes_L, jnp.nan)
+  return _as_a_kernel_returns(fill_past_groups(out_MO.astype(lhs_MI.dtype), sizes_L, jnp.nan))
 
 
 def _reference_lhs_grad(d_out_MO, rhs_LIO, sizes_L):
@@ -52,8 +60,9 @@ def _reference_lhs_grad(d_out_MO, rhs_LIO, sizes_L):
 def _reference_rhs_grad(lhs_MI, d_out_MO, sizes_L):
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs_MI, d_out_MO, sizes_L, dims, precision=jax.lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32).astype(lhs_MI.dtype)
+  return _as_a_kernel_returns(jax.lax.ragged_dot_general(
+      lhs_MI, d_out_MO, sizes_L, dims, precision=jax.lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32).astype(lhs_MI.dtype))
 
 
 def _reference_unsupported(m, i, o, dtype):
@@ -62,7 +71,7 @@ def _reference_unsupported(m, i, o, dtype):
 
 def _reference_swiglu(x_MD, w_gate_up_LDU, sizes_L, keep):
   gate_up_MU = _reference_dot(x_MD, w_gate_up_LDU, sizes_L)
-  return gate_up.swiglu(gate_up_MU, x_MD.dtype), (gate_up_MU if keep else None)
+  return _as_a_kernel_returns(gate_up.swiglu(gate_up_MU, x_MD.dtype)), (gate_up_MU if keep else None)
 
 
 def _reference_swiglu_unsupported(m, d, u, dtype):

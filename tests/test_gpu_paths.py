@@ -1,0 +1,110 @@
+"""Every path that runs on a Hopper GPU, run on one (`pytest -m gpu`): each dispatcher's forward and gradients on
+the Mosaic kernels against the same dispatcher on `xla`, at a row count below both kernels' switch-overs (JAX's
+`ragged_dot` and `transposed_ragged_dot` kernels run) and one at or above both (ours run), inside shard_map on a
+1-device mesh with `data` and `expert` axes, where a kernel's output comes back typed invariant; and one train step
+of a small model per dispatcher, with and without context parallelism, against the dense dispatcher's.
+
+Tolerances (max |a − b| / max |b|): bf16 layers against each other ≤ 3e-2 (each is ~1e-2 from exact); a train
+step's loss ≤ 1e-2 and its gradient norm ≤ 5e-2 of the dense dispatcher's, in bf16.
+"""
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import relaymoe_jax.testing as rmt
+from conftest import mesh_of
+from models import qwen3
+from models.qwen3_config import RuntimeConfig, load_config
+from relaymoe_jax import grouped_matmul as gm, hopper_grouped, hopper_weight_grad
+from test_equivalence import BF16_RTOL, DATA_EXPERT
+from train.config import MeshConfig, OptimConfig
+from train.data import SyntheticLanguage
+from train.mesh import build_mesh, global_batch
+from train.step import TrainState, make_optimizer, make_train_step
+
+pytestmark = pytest.mark.gpu
+
+D_MODEL, D_FF, EXPERTS, TOP_K = 256, 256, 8, 2
+# Rows reaching a grouped matmul on one device are T·K for every dispatcher: below both switch-overs, and at both.
+ROWS = {"jax_kernels": 8192, "our_kernels": max(hopper_grouped.MIN_ROWS, hopper_weight_grad.MIN_ROWS)}
+DISPATCHERS = {
+    "ring_expert": ("ring_expert", {}),
+    "ring_expert_keep_gate_up": ("ring_expert", {"keep_gate_up": True}),
+    "ring_token": ("ring_token", {}),
+    "auto": ("auto", {}),
+    "all_to_all": ("all_to_all", {}),
+    "all_to_all_cf1": ("all_to_all", {"capacity_factor": 1.0}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+  if not gm._hopper(jax.devices()[0]):
+    pytest.skip("the Mosaic GPU kernels need a Hopper GPU; run `pytest -m gpu` there")
+
+
+def _layer(regime):
+  return rmt.random_moe_inputs(31, ROWS[regime] // TOP_K, D_MODEL, D_FF, EXPERTS, TOP_K, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("regime", sorted(ROWS))
+@pytest.mark.parametrize("name", sorted(DISPATCHERS))
+def test_dispatcher_on_mosaic_kernels_matches_xla(name, regime, caplog):
+  """Output and the gradients of x, router weights and every expert weight, with no fallback to xla logged (the
+  kernels ran); a capacity factor of 1.0 drops nothing on one device."""
+  assert hopper_weight_grad.takes(ROWS[regime], D_MODEL, 2 * D_FF, jnp.bfloat16) == (regime == "our_kernels")
+  assert hopper_grouped.takes(ROWS[regime], D_MODEL, 2 * D_FF, jnp.bfloat16) == (regime == "our_kernels")
+  dispatcher, options = DISPATCHERS[name]
+  layer, mesh = _layer(regime), mesh_of((1, 1), DATA_EXPERT)
+  with caplog.at_level(logging.WARNING):
+    actual = rmt.values_and_grads(layer, mesh=mesh, dispatcher=dispatcher, backend="mosaic_gpu", **options)
+  assert "falls back" not in caplog.text and "does not apply" not in caplog.text, caplog.text
+  expected = rmt.values_and_grads(layer, mesh=mesh, dispatcher=dispatcher, backend="xla", **options)
+  rmt.assert_trees_close(actual, expected, BF16_RTOL)
+
+
+def test_dense_dispatcher_matches_the_expert_ring():
+  """The oracle itself on the GPU, in bf16, on the same mesh: against the expert ring on `xla`."""
+  layer, mesh = _layer("jax_kernels"), mesh_of((1, 1), DATA_EXPERT)
+  actual = rmt.values_and_grads(layer, mesh=mesh, dispatcher="dense")
+  expected = rmt.values_and_grads(layer, mesh=mesh, dispatcher="ring_expert", backend="xla")
+  rmt.assert_trees_close(actual, expected, BF16_RTOL)
+
+
+def _small_model():
+  """The tiny config widened to widths the Mosaic kernels take (D and F multiples of 256)."""
+  return dataclasses.replace(load_config("tiny"), vocab_size=512, hidden_size=D_MODEL, intermediate_size=512,
+                             moe_intermediate_size=D_FF, head_dim=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_step(dispatcher, options, context_parallel):
+  """(loss, grad_norm) of the first train step on a fixed batch of 4 × 1024 tokens, bf16, on the trainer's mesh of
+  one device."""
+  model_config = _small_model()
+  runtime = RuntimeConfig(dispatcher=dispatcher, dispatcher_options=options, context_parallel=context_parallel)
+  mesh = build_mesh(MeshConfig(data=1, expert=1, tensor=1), jax.devices()[:1])
+  graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=runtime))
+  params = nnx.to_pure_dict(params)
+  optimizer, schedule = make_optimizer(OptimConfig(), 10)
+  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 4, 1024), mesh, runtime)
+  step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
+  _, metrics = step(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), tokens)
+  return float(metrics["loss"]), float(metrics["grad_norm"])
+
+
+@pytest.mark.parametrize("context_parallel", [False, True], ids=["plain", "context_parallel"])
+@pytest.mark.parametrize("name", sorted(DISPATCHERS))
+def test_train_step_of_each_dispatcher_matches_dense(name, context_parallel):
+  dispatcher, options = DISPATCHERS[name]
+  loss, grad_norm = _one_step(dispatcher, tuple(options.items()), context_parallel)
+  loss_ref, grad_norm_ref = _one_step("dense", (), context_parallel)
+  assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-2 * loss_ref, (loss, loss_ref)
+  assert abs(grad_norm - grad_norm_ref) <= 5e-2 * grad_norm_ref, (grad_norm, grad_norm_ref)
