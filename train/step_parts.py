@@ -139,13 +139,14 @@ def step_parts(events, hlo_text, steps, wall_s):
   seconds: {"parts": {part: {"ms", "launches", "top": [(hlo op, ms, launches, op_name)]}}, "busy_ms" (time any
   kernel ran), "kernel_ms" (their sum: more than busy where kernels overlap), "step_ms", "idle_ms"}."""
   instructions = parse_hlo(hlo_text)
+  kernel_names = {re.sub(r"[.\-]", "_", name): name for name in instructions}  # a fusion's kernel is named so
   ms, launches = collections.Counter(), collections.Counter()
   by_op = collections.defaultdict(collections.Counter)
   spans = []
   for event in events:
     instruction = instructions.get(event.hlo_op) if event.hlo_op else None
     if event.hlo_op and instruction is None and event.hlo_op.startswith("command_buffer"):
-      instruction = instructions.get(event.name.replace("_", "."))  # a CUDA graph's kernel, named as its fusion
+      instruction = instructions.get(kernel_names.get(event.name))  # a kernel in a CUDA graph (command buffer)
     part = part_of(instruction, event.name)
     if part is None:
       continue

@@ -63,8 +63,8 @@ def _of_module(event, module):
 
 
 def op_events(path, module=None):
-  """[OpEvent] of the first device, by start time: on GPUs its stream events (kernels of `module`, the HLO module's
-  name, and memcpys between them: those without a module), on CPU the events of `module` on device ordinal 0."""
+  """[OpEvent] of the first device, by start time: on GPUs its stream events (the kernels of `module`, the HLO
+  module's name, and those of no module: memcpys), on CPU the events of `module` on the first device ordinal."""
   events = load_events(path)
   gpu = _gpu_events(events)
   if gpu is None:
@@ -72,10 +72,7 @@ def op_events(path, module=None):
     first = min((e["args"].get("device_ordinal", "0") for e in ops), key=int, default="0")
     ops = [e for e in ops if e["args"].get("device_ordinal", "0") == first]
   else:
-    ours = [e for e in gpu if _of_module(e, module)]
-    lo = min((e["ts"] for e in ours), default=0)
-    hi = max((e["ts"] + e["dur"] for e in ours), default=0)
-    ops = ours + [e for e in gpu if "hlo_module" not in e.get("args", {}) and lo <= e["ts"] < hi]
+    ops = [e for e in gpu if _of_module(e, module) or "hlo_module" not in e.get("args", {})]
   return sorted((OpEvent(e["name"], e.get("args", {}).get("hlo_op"), e["ts"], e["dur"]) for e in ops),
                 key=lambda e: e.start_us)
 
