@@ -5,6 +5,7 @@ import gzip
 import json
 import re
 
+import jax
 import pytest
 
 from benchmarks import train_step
@@ -176,10 +177,10 @@ def test_a_bad_profile_window_is_one_line_naming_it(capsys):
 TINY = ["batch_size=8", "seq_len=16", "tensorboard=false", "checkpoint_every=0"]
 
 
-def _assert_a_real_step_profile(result):
+def _assert_a_real_step_profile(result, communication=True):
   parts = {p: row["ms"] for p, row in result["parts"].items()}
   for part in ("lm_head", "attention", "moe_matmul", "moe_other", "projection", "other", "optimizer",
-               "communication"):
+               *(["communication"] if communication else [])):
     assert parts[part] > 0, (part, parts)
   assert parts["unattributed"] == 0, parts
   assert sum(parts.values()) == pytest.approx(result["kernel_ms"], abs=0.01)
@@ -212,3 +213,14 @@ def test_train_step_benchmark_writes_its_table_and_summary(tmp_path, capsys):
   assert float(fields["head_ms"]) == pytest.approx(result["parts"]["lm_head"]["ms"], abs=0.05)
   assert float(fields["attention_ms"]) == pytest.approx(result["parts"]["attention"]["ms"], abs=0.05)
   assert path.with_suffix(".txt").read_text().strip().endswith(last)
+
+
+@pytest.mark.gpu
+def test_a_gpu_trace_maps_every_kernel_to_the_step_hlo(tmp_path):
+  """On one GPU: every kernel of the step found in its HLO (the trace's hlo_op), each model part present."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  cli.main(["--config", "cpu", "--steps", "4", "--profile", "2:2", "--out", str(tmp_path / "run"), "mesh.data=1",
+            "mesh.expert=1", "runtime.dtype=bfloat16", *TINY])
+  _assert_a_real_step_profile(json.loads((tmp_path / "run" / "profile" / "parts.json").read_text()),
+                              communication=False)
