@@ -5,25 +5,18 @@
 Reads the `perfetto_trace.json.gz` that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes and sums the
 durations of the kernels on the first GPU, per step, grouped by kernel name and by a coarse kind (grouped matmul,
 collective, scatter, gather, other fusion, copy); `compute_ms` against the same step without sends shows how much
-the sends slow the compute beside them. `--timeline` lists each collective kernel with the compute that ran beside it.
+the sends slow the compute beside them. `--timeline` lists each collective kernel with the compute that ran beside
+it. Kernel time by part of the model, from the HLO's name scopes: `python -m benchmarks.train_step`.
 """
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import os
+
+from train.trace_events import device_kernels, find_trace, union_us
 
 KINDS = (("mosaic", "grouped matmul"), ("nccl", "collective"), ("scatter", "scatter"), ("gather", "gather"),
          ("memcpy", "copy"), ("memset", "copy"), ("fusion", "fusion"))
-
-
-def find_trace(trace_dir):
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
-  if not paths:
-    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
-  return paths[-1]
 
 
 def kind_of(name):
@@ -32,21 +25,7 @@ def kind_of(name):
 
 
 def _union_ms(intervals):
-  total, end = 0.0, float("-inf")
-  for start, stop in sorted(intervals):
-    if stop > end:
-      total += stop - max(start, end)
-      end = stop
-  return total / 1e3
-
-
-def device_kernels(path, device="GPU:0"):
-  """The kernel events (complete events, "X") of `device` in the trace, by start time."""
-  events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  pids = {e["pid"] for e in events
-          if e.get("ph") == "M" and e.get("name") == "process_name" and device in e["args"].get("name", "")}
-  return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids), key=lambda e: e["ts"])
+  return union_us(intervals) / 1e3
 
 
 def _is_collective(event):

@@ -97,7 +97,8 @@ class RMSNorm(_Layer):
     self.weight = param(role, (dim,), "ones")
 
   def __call__(self, x):
-    return rms_norm(x, self.weight[...], self.config.rms_norm_eps)
+    with jax.named_scope("norm"):
+      return rms_norm(x, self.weight[...], self.config.rms_norm_eps)
 
 
 class Attention(_Layer):
@@ -128,18 +129,22 @@ class Attention(_Layer):
         y = y + self.cast(getattr(self, bias_name))
       return y.reshape(b, s, heads, c.head_dim)
 
-    q = project(self.q_DH, "q_bias", c.num_attention_heads)
-    k = project(self.k_DG, "k_bias", c.num_key_value_heads)
-    v = project(self.v_DG, "v_bias", c.num_key_value_heads)
+    with jax.named_scope("projection"):
+      q = project(self.q_DH, "q_bias", c.num_attention_heads)
+      k = project(self.k_DG, "k_bias", c.num_key_value_heads)
+      v = project(self.v_DG, "v_bias", c.num_key_value_heads)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    if splits_sequences(self.runtime, self.mesh):
-      kernels = tile_kernels(self.runtime.attention_implementation, self.platform, q.dtype)
-      out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels)
-    else:
-      out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
-    return out.reshape(b, s, -1) @ self.cast(self.o_HD)
+    with jax.named_scope("rope"):
+      q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
+    with jax.named_scope("attention"):
+      if splits_sequences(self.runtime, self.mesh):
+        kernels = tile_kernels(self.runtime.attention_implementation, self.platform, q.dtype)
+        out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels)
+      else:
+        out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
+    with jax.named_scope("projection"):
+      return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
 class DenseMLP(_Layer):
@@ -152,7 +157,8 @@ class DenseMLP(_Layer):
     self.down_FD = param("mlp_out_FD", (width, d))
 
   def __call__(self, x):
-    return rm.dense_swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
+    with jax.named_scope("projection"):
+      return rm.dense_swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
 
 
 class MoE(_Layer):
@@ -174,12 +180,17 @@ class MoE(_Layer):
       self.shared_gate_D1 = param("shared_gate_D1", (d, 1))
 
   def __call__(self, x_BSD):
+    with jax.named_scope("moe"):  # the step profile's part (`train.step_parts`), as the other scopes in this file
+      return self._moe(x_BSD)
+
+  def _moe(self, x_BSD):
     c = self.config
     b, s, d = x_BSD.shape
     run = self.runtime
     x_TD = flatten_tokens(x_BSD, self.mesh) if run.context_parallel else x_BSD.reshape(b * s, d)
-    idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
-                                 norm_topk_prob=c.norm_topk_prob)
+    with jax.named_scope("router"):
+      idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
+                                   norm_topk_prob=c.norm_topk_prob)
     shared = {}
     if c.shared_expert_intermediate_size:
       shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
@@ -296,7 +307,8 @@ class Qwen3MoE(_Layer):
     with _matmul_precision(self.runtime):
       x_BSD, aux = self.hidden_and_aux(tokens_BS)
       x_BSD = self._in_sequence_order(x_BSD)
-      return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
+      with jax.named_scope("lm_head"):
+        return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
 
   def cross_entropy_and_aux(self, tokens_BS, labels_BS):
     """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
@@ -304,13 +316,14 @@ class Qwen3MoE(_Layer):
     with _matmul_precision(self.runtime):
       x_BSD, aux = self.hidden_and_aux(tokens_BS)
       labels_BS = self._in_held_order(labels_BS)
-      if not self.runtime.loss_chunk_tokens:
-        logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
-        ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS)
-      else:
-        ce_BS = chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh,
-                                      token_axes=batch_axes(self.runtime), sequence_axis=sequence_axis(self.runtime),
-                                      vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens)
+      with jax.named_scope("lm_head"):
+        if not self.runtime.loss_chunk_tokens:
+          logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
+          ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS)
+        else:
+          ce_BS = chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh,
+                                        token_axes=batch_axes(self.runtime), sequence_axis=sequence_axis(self.runtime),
+                                        vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens)
       return self._in_sequence_order(ce_BS), aux
 
   def head_DV(self):

@@ -1,7 +1,8 @@
 """`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config;
 `relaymoe-plan`: what fits on the devices (the activation planner, `train.plan`).
 
-    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only] [key=value ...]
+    relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only]
+                   [--profile START:COUNT] [key=value ...]
     relaymoe-plan [--config FILE] [--maximize seq|batch] [--variants ring,a2a_dropless,a2a_cf1] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
@@ -27,6 +28,7 @@ from train.compile import memory_plan
 from train.config import load_run_config
 from train.errors import run_cli
 from train.loop import run
+from train.profile import parse_window
 
 
 def _parse(argv):
@@ -40,6 +42,8 @@ def _parse(argv):
                      help="start afresh in an --out that holds an earlier run, deleting its checkpoints and metrics")
   parser.add_argument("--compile-only", action="store_true",
                       help="compile the train step from shapes alone and report its memory per device; train nothing")
+  parser.add_argument("--profile", metavar="START:COUNT", help="trace steps START to START+COUNT-1 into "
+                      "OUT/profile/ and print their device time by part of the model")
   parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
   parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
   parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
@@ -101,6 +105,7 @@ def _log_memory_limit():
 
 
 def _main(args):
+  profile = parse_window(args.profile) if args.profile is not None else None  # before JAX starts
   overrides = list(args.overrides)
   if args.steps is not None:
     overrides.append(f"steps={args.steps}")
@@ -109,7 +114,7 @@ def _main(args):
   if args.compile_only:
     _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
     return
-  history = run(config, resume=args.resume, overwrite=args.overwrite)
+  history = run(config, resume=args.resume, overwrite=args.overwrite, profile=profile)
   if jax.process_index() == 0 and history:
     last = history[-1]
     print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s); "

@@ -23,8 +23,10 @@ from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_proc
                            size)
 from train.remat_auto import resolve_remat, suggest
 from train.preempt import FAILED, NAMES, StopRequest, Stopped
+from train.profile import StepProfiler, check_window
 from train.rundir import RunDirectory
 from train.sources import initial_params, model_config_for
+from train.step_parts import full_op_names
 from train.step import TrainState, make_optimizer, model_flops_per_token
 
 
@@ -41,19 +43,20 @@ def dispatch_plan(model_config, run_config, mesh):
       expert_tensor_parallel=mesh.shape[TENSOR] if run_config.runtime.moe_tensor_parallel else 1)
 
 
-def run(run_config: RunConfig, *, resume=False, overwrite=False):
+def run(run_config: RunConfig, *, resume=False, overwrite=False, profile=None):
   """Trains as configured; returns the logged metrics (a list of dicts).
 
   Holds the run directory for the run (`RunDirectory`: one run at a time; a fresh run refuses an earlier run's
   outputs unless `overwrite`). Raises FloatingPointError on a non-finite loss, keeping the last good checkpoint,
   `Stopped` after saving a checkpoint on SIGTERM or SIGINT, LogWriteFailed (after saving a checkpoint) when
   metrics.jsonl does not write, and CheckpointSaveFailed when the disk is full. A signal that arrives while the
-  last step's checkpoint is saved lets the save finish: the run is complete.
+  last step's checkpoint is saved lets the save finish: the run is complete. `profile`: a `train.profile.Window`
+  of steps to trace (the step compiled with `full_op_names`), whose part table is printed when it ends.
   """
   out = pathlib.Path(run_config.out_dir)
-  with RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop:
+  with RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop, full_op_names(bool(profile)):
     with Checkpoints(out / "checkpoints", run_config.keep_checkpoints) as checkpoints:
-      history = _train(run_config, resume, checkpoints, stop)
+      history = _train(run_config, resume, checkpoints, stop, profile)
       stop.note = "letting the last checkpoint's save finish (the run is complete)"
     if stop.signum:
       saved = checkpoints.last_saved
@@ -62,9 +65,11 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False):
   return history
 
 
-def _train(run_config, resume, checkpoints, stop):
+def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
     raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints.directory}")
+  if profile:
+    check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
   run_config, remat_plan, step = resolve_remat(run_config)
@@ -103,6 +108,7 @@ def _train(run_config, resume, checkpoints, stop):
     if plan:  # a ring of one moves nothing: no plan
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
+  profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history = []
   pending = None  # (step, metrics of that step) still on device: read one step late
   window_start, window_steps = time.perf_counter(), 0
@@ -131,7 +137,11 @@ def _train(run_config, resume, checkpoints, stop):
 
   try:
     for step in range(start, run_config.steps):
+      if profiler:
+        profiler.before_step(step, state)
       state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh, run_config.runtime))
+      if profiler:
+        profiler.after_step(step, state)
       checkpoints.poll()
       if pending:
         settle(*pending)

@@ -55,10 +55,11 @@ def make_train_step(graphdef, optimizer, schedule, model_config):
   def train_step(state, tokens_BS1):
     (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, tokens_BS1,
                                                                      model_config)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
-                   learning_rate=schedule(state.step), **parts)
+    with jax.named_scope("optimizer"):  # the step profile's part (`train.step_parts`)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
+                     learning_rate=schedule(state.step), **parts)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step

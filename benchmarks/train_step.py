@@ -1,0 +1,75 @@
+"""Where the training step's time goes: the trainer's step, profiled, its device time tabulated by part of the model.
+
+    python -m benchmarks.train_step --config NAME|FILE [--steps N] [--warmup N] [--out JSON] [key=value ...]
+
+Runs `relaymoe-train` (same config and `key=value` overrides; its step as it trains, `runtime.remat=auto` planned as
+there) for `--warmup` steps, then traces `--steps` more with `jax.profiler` (`relaymoe-train --profile`), and
+tabulates the first device's kernel time per step by part: LM head and loss, attention, MoE grouped matmuls, MoE
+other, dense projections, norms/RoPE/other, optimizer, copies, communication, and idle (the step's wall time less
+the time any kernel ran), with tokens/s and MFU as the trainer computes them. Parts come from the name scopes in
+the HLO's op metadata (`train.step_parts`). Writes JSON (the table beside it, and each part's costliest HLO ops) to
+benchmarks/results/train_step_CONFIG_BxS.json; the last line is `summary: train_step CONFIG BxS mfu=... head_ms=...`.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import tempfile
+
+import jax
+
+from benchmarks import harness
+from train import cli
+from train.step_parts import render
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True, help="run config: a YAML path or a name under configs/runs/")
+  parser.add_argument("--steps", type=int, default=3, help="steps to profile")
+  parser.add_argument("--warmup", type=int, default=2, help="steps before the profile")
+  parser.add_argument("--out", help="results JSON (default benchmarks/results/train_step_CONFIG_BxS.json)")
+  parser.add_argument("--run-dir", help="the training run's directory, trace included (default: a temporary one)")
+  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  return parser.parse_intermixed_args(argv)
+
+
+def profile(config, warmup, steps, overrides, run_dir):
+  """(the profile's parts.json, the run's run_config.json) of a trainer run profiling steps warmup..+steps."""
+  cli.main(["--config", config, "--steps", str(warmup + steps), "--profile", f"{warmup}:{steps}", "--out", run_dir,
+            "--overwrite", "checkpoint_every=0", "tensorboard=false", f"log_every={warmup + steps}", *overrides])
+  run = pathlib.Path(run_dir)
+  parts = sorted(run.glob("profile/**/parts.json"))[0]
+  return json.loads(parts.read_text()), json.loads((run / "run_config.json").read_text())
+
+
+def summary(name, shape, result):
+  parts = result["parts"]
+  mfu = "nan" if result["mfu"] is None else f"{result['mfu']:.3f}"
+  return (f"summary: train_step {name} {shape} mfu={mfu} tokens_per_s={result['tokens_per_s']:.0f} "
+          f"step_ms={result['step_ms']:.1f} head_ms={parts['lm_head']['ms']:.1f} "
+          f"moe_ms={parts['moe_matmul']['ms'] + parts['moe_other']['ms']:.1f} "
+          f"moe_matmul_ms={parts['moe_matmul']['ms']:.1f} attention_ms={parts['attention']['ms']:.1f} "
+          f"idle_ms={result['idle_ms']:.1f}")
+
+
+def main(argv=None):
+  args = _parse(argv)
+  with tempfile.TemporaryDirectory() as scratch:
+    result, run = profile(args.config, args.warmup, args.steps, args.overrides, args.run_dir or scratch)
+  name = os.path.splitext(os.path.basename(args.config))[0]
+  shape = f"{run['run']['batch_size']}x{run['run']['seq_len']}"
+  path = args.out or os.path.join(harness.RESULTS, f"train_step_{name}_{shape}.json")
+  meta = dict(harness.machine(jax), command=harness.command_line("train_step", argv), config=args.config,
+              overrides=args.overrides, warmup=args.warmup, steps=args.steps, mesh=run["mesh"],
+              runtime=run["run"]["runtime"], remat_plan=run["remat_plan"], compile_s=run["compile_s"])
+  harness.write_json(dict(meta=meta, profile=result), path)
+  text = "\n".join([f"# {meta['command']}", f"# {meta['machine']}, JAX {meta['jax']}, mesh {meta['mesh']}", "",
+                    render(result, f"Train step {name} {shape}, kernel time per step on the first device, "
+                                   f"{args.steps} steps after {args.warmup}:"), "", summary(name, shape, result)])
+  print(harness.write_table(text, path))
+
+
+if __name__ == "__main__":
+  main()
