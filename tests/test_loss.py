@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_close, mesh_of
 from models import qwen3
-from models.loss import chunked_cross_entropy
+from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import RuntimeConfig, load_config
 from train.config import MeshConfig
 from train.mesh import build_mesh
@@ -31,30 +31,61 @@ def _plain(x, head, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-@pytest.mark.parametrize("mesh_shape,vocab_axis,chunk_tokens,vocab_tile", [
+CASES = [  # mesh shape, token axes, sequence axis, vocabulary axis, chunk tokens, vocabulary tile
     # 10 tokens per device: 5 positions of the local batch of 2, a tail chunk of 2 of 37; tiles 24 + 24 + 16 of 64
-    ((2, 4, 1), None, 10, 24),
-    ((2, 2, 2), "tensor", 16, 12),  # vocabulary split over 'tensor': 32 columns per device, tiles 12 + 12 + 8
-    ((2, 4, 1), None, 10_000, 10_000),  # one chunk, one tile
-])
-def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_axis, chunk_tokens, vocab_tile):
+    ((2, 4, 1), TOKEN_AXES, None, None, 10, 24),
+    ((2, 2, 2), TOKEN_AXES, None, "tensor", 16, 12),  # vocabulary split over 'tensor': 32 columns per device
+    ((2, 4, 1), TOKEN_AXES, None, None, 10_000, 10_000),  # one chunk, one tile
+    # context parallelism: each sequence's 36 positions split over 'expert', 9 per device, chunks 4 + 4 + 1
+    ((2, 4, 1), ("data",), "expert", None, 16, 24),
+]
+
+
+def _case(mesh_shape, token_axes, sequence_axis, vocab_axis, chunk_tokens, vocab_tile, seq_len=37):
   mesh = mesh_of(mesh_shape, TOKEN_AXES + ("tensor",))
   rng = np.random.default_rng(0)
-  b, s, d, v = 8, 37, 16, 64
+  b, s, d, v = 8, seq_len - (seq_len % mesh.shape[sequence_axis] if sequence_axis else 0), 16, 64
   x = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
   head = jnp.asarray(rng.normal(size=(d, v)) / 4, jnp.float32)
   labels = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
-  weights = jnp.asarray(rng.normal(size=(b, s)), jnp.float32)  # a cotangent that differs per token
+  options = dict(mesh=mesh, token_axes=token_axes, sequence_axis=sequence_axis, vocab_axis=vocab_axis,
+                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
+  return x, head, labels, options
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(case):
+  x, head, labels, options = _case(*case)
+  weights = jnp.asarray(np.random.default_rng(1).normal(size=labels.shape), jnp.float32)  # a per-token cotangent
 
   def chunked(x, head):
-    return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES, vocab_axis=vocab_axis,
-                                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
+    return chunked_cross_entropy(x, head, labels, **options)
 
   assert_close(jax.jit(chunked)(x, head), _plain(x, head, labels), LOSS_RTOL, "per-token loss")
   weighted = lambda f: lambda x, head: jnp.sum(f(x, head) * weights)  # noqa: E731
   ours = jax.jit(jax.grad(weighted(chunked), (0, 1)))(x, head)
   ref = jax.jit(jax.grad(weighted(lambda x, head: _plain(x, head, labels)), (0, 1)))(x, head)
   for name, a, r in zip(("dx", "dhead"), ours, ref):
+    assert a.dtype == r.dtype, name
+    assert_close(a, r, LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mean_loss_with_its_gradient_from_the_forward_equals_the_plain_loss(case):
+  """`mean_cross_entropy`: its value alone (the per-token forward, summed), and its value and gradients (computed
+  in the forward, then scaled by the incoming cotangent, here 3) against the plain loss's."""
+  x, head, labels, options = _case(*case)
+
+  def ours(x, head):
+    return 3 * mean_cross_entropy(x, head, labels, **options)
+
+  def ref(x, head):
+    return 3 * _plain(x, head, labels).mean()
+
+  assert_close(jax.jit(ours)(x, head), ref(x, head), LOSS_RTOL, "loss")
+  (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, head) for f in (ours, ref))
+  assert_close(value, ref_value, LOSS_RTOL, "loss, differentiated")
+  for name, a, r in zip(("dx", "dhead"), grads, ref_grads):
     assert a.dtype == r.dtype, name
     assert_close(a, r, LOSS_RTOL, name)
 
