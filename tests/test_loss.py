@@ -5,6 +5,8 @@ must all compute the same loss and gradients, `offload` keeping the layer input 
 import contextlib
 import dataclasses
 import io
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +90,26 @@ def test_mean_loss_with_its_gradient_from_the_forward_equals_the_plain_loss(case
   for name, a, r in zip(("dx", "dhead"), grads, ref_grads):
     assert a.dtype == r.dtype, name
     assert_close(a, r, LOSS_RTOL, name)
+
+
+def test_mean_loss_runs_three_bf16_matmuls_and_copies_nothing_per_chunk():
+  """The differentiated bf16 loss: three dot_generals (logits, dx, dhead; no recompute), each bf16 × bf16 with
+  float32 accumulation (no promotion of the operands); the compiled chunk loop copies no array (XLA:CPU's
+  program: GPU fusions differ, but a copy of the head, a chunk or the accumulators would show here too)."""
+  mesh = mesh_of((1, 1, 1), TOKEN_AXES + ("tensor",))
+  x, head = jnp.zeros((4, 256, 32), jnp.bfloat16), jnp.zeros((32, 1024), jnp.bfloat16)
+  labels = jnp.zeros((4, 256), jnp.int32)
+  loss = lambda x, head, labels: mean_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES,  # noqa: E731
+                                                    chunk_tokens=256)
+  lowered = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, head, labels)
+  dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+  assert len(dots) == 3, dots
+  assert all(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\) -> tensor<[0-9x]+xf32>", d) for d in dots), dots
+  bodies = [c for c in re.split(r"\n(?=\S)", lowered.compile().as_text()) if "/while/body" in c]
+  assert bodies
+  copied = [[int(n) for n in m.group(1).split(",") if n] for body in bodies
+            for m in re.finditer(r"= \S+\[([0-9,]*)\]\S* copy\(", body)]
+  assert all(math.prod(shape) <= 4 * 64 for shape in copied), copied  # at most a number per token of the chunk
 
 
 def test_chunked_loss_keeps_the_head_gradient_in_the_heads_dtype():
