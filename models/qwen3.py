@@ -318,7 +318,7 @@ class Qwen3MoE(_Layer):
                                self._in_held_order(labels_BS)), aux
 
   def _head_loss(self, chunked, plain, x_BSD, labels_BS):
-    chunk_tokens = self.runtime.loss_chunk_tokens
+    chunk_tokens = self.runtime.loss_chunk()
     if not chunk_tokens:
       return plain(jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), labels_BS)
     return chunked(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=batch_axes(self.runtime),

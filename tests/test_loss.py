@@ -20,8 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import assert_close, mesh_of
 from models import qwen3
 from models.loss import chunked_cross_entropy, mean_cross_entropy
-from models.qwen3_config import RuntimeConfig, load_config
-from train.config import MeshConfig
+from models.qwen3_config import DEFAULT_LOSS_CHUNK_TOKENS, RuntimeConfig, load_config
+from train.compile import memory_plan
+from train.config import MeshConfig, RunConfig, load_run_config
+from train.loss_chunk import SAME_BYTES, candidates, resolve_loss_chunk, widest, with_loss_chunk
 from train.mesh import build_mesh
 
 TOKEN_AXES = ("data", "expert")
@@ -220,3 +222,57 @@ def test_offload_on_a_gpu_moves_the_layer_inputs_to_the_host_and_changes_nothing
   assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_the_widest_loss_chunk_is_the_largest_that_needs_no_more_memory():
+  """A binary search over the candidates (bytes grow with the chunk): the largest within the default's bytes (and
+  the few bytes a compile may differ by), asking about as few chunks as it needs."""
+  chunks = [2048, 4096, 8192, 16384, 32768, 65536]
+  bytes_at = {1024: 100, 2048: 100, 4096: 100 + SAME_BYTES, 8192: 100 + SAME_BYTES + 1, 16384: 300, 32768: 400,
+              65536: 500}
+  asked = []
+
+  def bytes_of(chunk):
+    asked.append(chunk)
+    return bytes_at[chunk]
+
+  assert widest(bytes_at[1024], chunks, bytes_of) == 4096
+  assert len(asked) <= 3, asked
+  assert widest(100, chunks, lambda chunk: 100) == 65536
+  assert widest(100, chunks, lambda chunk: 10**9) == DEFAULT_LOSS_CHUNK_TOKENS
+
+
+def test_loss_chunk_candidates_double_up_to_the_tokens_per_device():
+  def chunks(batch_size, seq_len):
+    run = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=batch_size, seq_len=seq_len)
+    return candidates(run)
+
+  assert chunks(16, 4096) == [2048, 4096, 8192]  # 8192 tokens per device
+  assert chunks(8, 1500) == [1500]
+  assert chunks(16, 512) == []  # 1024 tokens per device: the default holds them all
+
+
+def test_loss_chunk_is_auto_unless_given():
+  assert RuntimeConfig().loss_chunk_tokens == "auto" and RuntimeConfig().loss_chunk() == DEFAULT_LOSS_CHUNK_TOKENS
+  run = load_run_config("cpu", ["runtime.loss_chunk_tokens=4096"])
+  assert run.runtime.loss_chunk_tokens == 4096 and run.runtime.loss_chunk() == 4096
+  assert RuntimeConfig(loss_chunk_tokens=0).loss_chunk() == 0
+  with pytest.raises(ValueError, match="loss_chunk_tokens='big'"):
+    RuntimeConfig(loss_chunk_tokens="big")
+
+
+@pytest.mark.slow  # compiles the tiny model's step four times (~90 s on 2 cores)
+def test_auto_loss_chunk_keeps_the_steps_memory(tmp_path):
+  """2048 tokens per device: the step at the chosen chunk compiles to no more bytes than at the default, and a
+  larger candidate, where there is one, to more."""
+  run = RunConfig(model="tiny", model_overrides=dict(num_hidden_layers=1), mesh=MeshConfig(data=2, expert=4),
+                  batch_size=8, seq_len=2048, runtime=RuntimeConfig(dtype="float32"), out_dir=str(tmp_path))
+  resolved, step = resolve_loss_chunk(run, log=lambda *_: None)
+  chunk = resolved.runtime.loss_chunk_tokens
+  assert isinstance(chunk, int) and chunk in (DEFAULT_LOSS_CHUNK_TOKENS, *candidates(run))
+  total = {c: memory_plan(with_loss_chunk(run, c))["total_bytes"] for c in (DEFAULT_LOSS_CHUNK_TOKENS, chunk)}
+  assert total[chunk] <= total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES, total
+  assert (step is None) == (chunk != DEFAULT_LOSS_CHUNK_TOKENS)
+  larger = [c for c in candidates(run) if c > chunk]
+  if larger:
+    assert memory_plan(with_loss_chunk(run, larger[0]))["total_bytes"] > total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES
