@@ -185,6 +185,42 @@ def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
+MODEL_CASES = {  # mesh, runtime changes
+    "2x4": (MeshConfig(data=2, expert=4), {}),
+    "fsdp-2x4": (MeshConfig(data=2, expert=4), dict(fsdp=True)),
+    "context_parallel-2x4": (MeshConfig(data=2, expert=4), dict(context_parallel=True)),
+    "vocab_over_tensor-2x2x2": (MeshConfig(data=2, expert=2, tensor=2), {}),
+}
+
+
+@pytest.mark.slow  # compiles the model twice per case (~20 s on 2 cores); CI's second step runs them
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_model_mean_loss_from_the_forward_gradient_equals_the_plain_loss(case):
+  """The trainer's loss (`mean_cross_entropy_and_aux`, chunks of 12 tokens per device: tail chunks) against full
+  logits: the loss and the gradient of every parameter, float32."""
+  mesh_config, changes = MODEL_CASES[case]
+  mesh = build_mesh(mesh_config)
+  config = load_config("tiny", num_hidden_layers=2)
+  runtime = RuntimeConfig(loss_chunk_tokens=0, dtype="float32", **changes)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (8, 33)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+
+  def value_and_grads(runtime):
+    graphdef, _ = qwen3.abstract(config, mesh, runtime=runtime)
+
+    def loss(params):
+      ce, aux = nnx.merge(graphdef, nnx.State(params)).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
+      return ce + 0.01 * aux["load_balancing_loss"]
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  ref_value, ref_grads = value_and_grads(runtime)
+  value, grads = value_and_grads(dataclasses.replace(runtime, loss_chunk_tokens=12))
+  assert abs(float(value) - float(ref_value)) <= LOSS_RTOL * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("policy,on_host", [("offload", True), ("layer", False)])
 def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_setup, policy, on_host):
   """What the step saves for backward (jaxpr level; XLA:CPU then ignores memory spaces, GPUs honour them): under
