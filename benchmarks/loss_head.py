@@ -20,27 +20,16 @@ import argparse
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import harness
+from benchmarks.cp_attention import seconds
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 
 SEQUENCES = 16
 AXES = ("data", "expert")
-
-
-def _seconds(f, args, iters):
-  jax.block_until_ready(f(*args))  # compile and warm up
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _inputs(tokens, d_model, vocab):
@@ -61,10 +50,10 @@ def _step(variant, chunk, mesh):
 
 def measure(variant, chunk, inputs, iters):
   mesh = jax.make_mesh((1, 1), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1])
-  seconds = _seconds(_step(variant, chunk, mesh), inputs, iters)
+  elapsed = seconds(_step(variant, chunk, mesh), inputs, iters)
   x, head, _ = inputs
   flops = (2 if variant == "matmul" else 6) * x.shape[0] * x.shape[1] * head.shape[0] * head.shape[1]
-  return dict(variant=variant, chunk=chunk, ms=1e3 * seconds, tflops=flops / seconds / 1e12)
+  return dict(variant=variant, chunk=chunk, ms=1e3 * elapsed, tflops=flops / elapsed / 1e12)
 
 
 def table(rows):
