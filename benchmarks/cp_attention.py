@@ -42,7 +42,8 @@ def _attend(variant, mesh, tile):
                            tile=tile if variant == "cudnn_tiles" else None)
 
 
-def _seconds(f, args, iters):
+def seconds(f, args, iters):
+  """Median wall seconds of f(*args) over `iters` calls, after one to compile and warm up."""
   jax.block_until_ready(f(*args))  # compile and warm up
   times = []
   for _ in range(iters):
@@ -63,8 +64,8 @@ def measure(variant, tokens, tile, iters):
     out, vjp = jax.vjp(attend, q, k, v)
     return out, vjp(do)
 
-  fwd = _seconds(jax.jit(attend), (q, k, v), iters)
-  both = _seconds(jax.jit(forward_backward), (q, k, v, do), iters)
+  fwd = seconds(jax.jit(attend), (q, k, v), iters)
+  both = seconds(jax.jit(forward_backward), (q, k, v, do), iters)
   flops = 4 * tokens * (tokens + 1) / 2 * QUERY_HEADS * HEAD_DIM
   return dict(variant=variant, tokens=tokens, tile=tile if variant == "cudnn_tiles" else None, fwd_ms=1e3 * fwd,
               fwd_bwd_ms=1e3 * both, bwd_ms=1e3 * (both - fwd), fwd_tflops=flops / fwd / 1e12,

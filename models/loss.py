@@ -53,12 +53,44 @@ def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequen
   split_axes = tuple(token_axes) + ((sequence_axis,) if sequence_axis else ())
 
   def per_device(x_BSD, head_DV, labels_BS):
-    chunk_len = max(1, min(x_BSD.shape[1], chunk_tokens // x_BSD.shape[0]))
-    tile = max(1, min(head_DV.shape[1], vocab_tile))
-    return _cross_entropy(x_BSD, head_DV, labels_BS, (chunk_len, tile), split_axes, vocab_axis)
+    sizes = (_chunk_len(x_BSD, chunk_tokens), _tile_len(head_DV, vocab_tile))
+    return _cross_entropy(x_BSD, head_DV, labels_BS, sizes, split_axes, vocab_axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok), out_specs=tok,
                        check_vma=True)(x_BSD, head_DV, labels_BS)
+
+
+def mean_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequence_axis=None, vocab_axis=None,
+                       chunk_tokens=DEFAULT_CHUNK_TOKENS, vocab_tile=DEFAULT_VOCAB_TILE):
+  """`chunked_cross_entropy(...).mean()`, a float32 scalar, for a loss that ends in it (the trainer's): its
+  gradient is computed in the forward pass, so the logits are computed once, not again in the backward.
+
+  Differentiated, each chunk of about `chunk_tokens` tokens per device takes its logits over the device's whole
+  vocabulary at once ([chunk, V] in float32: the chunk size bounds them), their logsumexp, softmax − one-hot
+  scaled by 1 / the number of tokens, cast to x's dtype, and from that the chunk's dx and its share of dhead
+  (accumulated in float32): three matmuls per chunk. The backward only scales the stored dx and dhead by the
+  incoming cotangent. Not differentiated, it is the per-token forward (vocabulary tiles of `vocab_tile`) summed.
+  Arguments as `chunked_cross_entropy`'s.
+  """
+  tok = P(tuple(token_axes), sequence_axis)
+  split_axes = tuple(token_axes) + ((sequence_axis,) if sequence_axis else ())
+  count = x_BSD.shape[0] * x_BSD.shape[1]
+
+  def per_device(x_BSD, head_DV, labels_BS):
+    sizes = (_chunk_len(x_BSD, chunk_tokens), _tile_len(head_DV, vocab_tile), count)
+    return _mean_cross_entropy(x_BSD, head_DV, labels_BS, sizes, split_axes, vocab_axis)
+
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok), out_specs=P(),
+                       check_vma=True)(x_BSD, head_DV, labels_BS)
+
+
+def _chunk_len(x_BSD, chunk_tokens):
+  """Positions of the local batch per chunk: about `chunk_tokens` tokens."""
+  return max(1, min(x_BSD.shape[1], chunk_tokens // x_BSD.shape[0]))
+
+
+def _tile_len(head_DV, vocab_tile):
+  return max(1, min(head_DV.shape[1], vocab_tile))
 
 
 def _chunks(length, chunk_len):
@@ -86,6 +118,11 @@ def _dx(dlogits_BRV, head_DV):
   """dlogits · headᵀ, contracting V in place (no transposed copy of the head)."""
   return jnp.einsum("BRV,DV->BRD", dlogits_BRV, head_DV, preferred_element_type=jnp.float32,
                     precision=matmul_precision(head_DV.dtype))
+
+
+def _dhead(x_BRD, dlogits_BRV):
+  return jnp.einsum("BRD,BRV->DV", x_BRD, dlogits_BRV, preferred_element_type=jnp.float32,
+                    precision=matmul_precision(x_BRD.dtype))
 
 
 def _vocab_offset(head_DV, vocab_axis):
@@ -168,9 +205,7 @@ def _bwd(sizes, token_axes, vocab_axis, residuals, g_BS):
       probs_BRV = jnp.exp(_local_logits(x_BRD, tile_DV) - lse_BR[..., None])
       dlogits_BRV = ((probs_BRV - _is_label(labels_BR, v_start, v_size)) * g_BR[..., None]).astype(x_BSD.dtype)
       dx_BRD = dx_BRD + _dx(dlogits_BRV, tile_DV)
-      dtile_DV = _tile(dhead_DV, v_start, v_size) + jnp.einsum(
-          "BRD,BRV->DV", x_BRD, dlogits_BRV, preferred_element_type=jnp.float32,
-          precision=matmul_precision(x_BSD.dtype))
+      dtile_DV = _tile(dhead_DV, v_start, v_size) + _dhead(x_BRD, dlogits_BRV)
       return dx_BRD, jax.lax.dynamic_update_slice_in_dim(dhead_DV, dtile_DV, v_start, axis=1)
 
     dx_BRD = vary_like(jnp.zeros(x_BRD.shape, jnp.float32), varying)
@@ -186,3 +221,56 @@ def _bwd(sizes, token_axes, vocab_axis, residuals, g_BS):
 
 
 _cross_entropy.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _mean_cross_entropy(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis):
+  chunk_len, tile, count = sizes
+  loss_BS = _forward(x_BSD, head_DV, labels_BS, (chunk_len, tile), token_axes, vocab_axis)[0]
+  return jax.lax.psum(jnp.sum(loss_BS), token_axes) / count
+
+
+def _mean_fwd(x_BSD, head_param_DV, labels_BS, sizes, token_axes, vocab_axis):
+  """(mean loss, (dx, dhead) of the mean), chunk by chunk over the whole vocabulary slice: one logits matmul."""
+  chunk_len, _, count = sizes
+  local = _vocab_offset(head_param_DV, vocab_axis)
+  head_DV = head_param_DV.astype(x_BSD.dtype)
+  varying = tuple(token_axes) + ((vocab_axis,) if vocab_axis else ())
+
+  def chunk(start, size, carry):
+    loss, dx_BSD, dhead_DV = carry
+    x_BRD = _chunk(x_BSD, start, size)
+    labels_BR = _chunk(labels_BS, start, size) - local
+    logits_BRV = _local_logits(x_BRD, head_DV)
+    max_BR = _reduce(jnp.max(logits_BRV, -1), jax.lax.pmax, vocab_axis)
+    lse_BR = max_BR + jnp.log(_reduce(jnp.sum(jnp.exp(logits_BRV - max_BR[..., None]), -1), jax.lax.psum,
+                                      vocab_axis))
+    loss = loss + jnp.sum(lse_BR - _reduce(_label_logit(logits_BRV, labels_BR), jax.lax.psum, vocab_axis))
+    probs_BRV = jnp.exp(logits_BRV - lse_BR[..., None])
+    dlogits_BRV = (jnp.where(_is_label(labels_BR, 0, probs_BRV.shape[-1]), probs_BRV - 1, probs_BRV)
+                   / count).astype(x_BSD.dtype)
+    dx_BRD = _reduce(_dx(dlogits_BRV, head_DV), jax.lax.psum, vocab_axis).astype(x_BSD.dtype)
+    dhead_DV = dhead_DV + _dhead(x_BRD, dlogits_BRV)
+    return loss, jax.lax.dynamic_update_slice_in_dim(dx_BSD, dx_BRD, start, axis=1), dhead_DV
+
+  zero = vary_like(jnp.zeros((), jnp.float32), token_axes)
+  dhead_DV = vary_like(jnp.zeros(head_DV.shape, jnp.float32), varying)
+  loss, dx_BSD, dhead_DV = _for_each_chunk(x_BSD.shape[1], chunk_len, chunk, (zero, jnp.zeros_like(x_BSD), dhead_DV))
+  # The head is the same on every token shard: its gradient is the sum of theirs, reduced once here.
+  dhead_DV = jax.lax.psum(dhead_DV, token_axes).astype(head_param_DV.dtype)
+  return jax.lax.psum(loss, token_axes) / count, (dx_BSD, dhead_DV)
+
+
+def _mean_bwd(sizes, token_axes, vocab_axis, residuals, g):
+  dx_BSD, dhead_DV = residuals
+  return dx_BSD * g.astype(dx_BSD.dtype), dhead_DV * g.astype(dhead_DV.dtype), None
+
+
+_mean_cross_entropy.defvjp(_mean_fwd, _mean_bwd)
+
+
+def _label_logit(logits_BRV, labels_BR):
+  """The label's logit, 0 where the label is outside this device's vocabulary slice: a gather, not a pass over V."""
+  inside_BR = (labels_BR >= 0) & (labels_BR < logits_BRV.shape[-1])
+  picked_BR = jnp.take_along_axis(logits_BRV, jnp.clip(labels_BR, 0, logits_BRV.shape[-1] - 1)[..., None], -1)
+  return jnp.where(inside_BR, picked_BR[..., 0], 0.0)

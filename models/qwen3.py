@@ -25,7 +25,7 @@ import relaymoe_jax as rm
 from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.cudnn_attention import tile_kernels
-from models.loss import chunked_cross_entropy
+from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
 from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
 from relaymoe_jax.axes import EXPERT, TENSOR
@@ -315,16 +315,26 @@ class Qwen3MoE(_Layer):
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
     with _matmul_precision(self.runtime):
       x_BSD, aux = self.hidden_and_aux(tokens_BS)
-      labels_BS = self._in_held_order(labels_BS)
       with jax.named_scope("lm_head"):
-        if not self.runtime.loss_chunk_tokens:
-          logits = jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32)
-          ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits, labels_BS)
-        else:
-          ce_BS = chunked_cross_entropy(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh,
-                                        token_axes=batch_axes(self.runtime), sequence_axis=sequence_axis(self.runtime),
-                                        vocab_axis=TENSOR, chunk_tokens=self.runtime.loss_chunk_tokens)
+        ce_BS = self._head_loss(chunked_cross_entropy, optax.softmax_cross_entropy_with_integer_labels, x_BSD,
+                                self._in_held_order(labels_BS))
       return self._in_sequence_order(ce_BS), aux
+
+  def mean_cross_entropy_and_aux(self, tokens_BS, labels_BS):
+    """(the mean of `cross_entropy_and_aux`'s cross-entropy, a float32 scalar, router losses). Chunked, its
+    gradient is computed in the forward pass (`models.loss.mean_cross_entropy`): for a loss that ends in it."""
+    with _matmul_precision(self.runtime):
+      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      with jax.named_scope("lm_head"):
+        return self._head_loss(mean_cross_entropy, _plain_mean_cross_entropy, x_BSD,
+                               self._in_held_order(labels_BS)), aux
+
+  def _head_loss(self, chunked, plain, x_BSD, labels_BS):
+    chunk_tokens = self.runtime.loss_chunk()
+    if not chunk_tokens:
+      return plain(jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), labels_BS)
+    return chunked(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=batch_axes(self.runtime),
+                   sequence_axis=sequence_axis(self.runtime), vocab_axis=TENSOR, chunk_tokens=chunk_tokens)
 
   def head_DV(self):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
@@ -363,6 +373,10 @@ class Qwen3MoE(_Layer):
 
   def _in_sequence_order(self, x_BS):
     return to_sequence_order(x_BS, self._ring()) if splits_sequences(self.runtime, self.mesh) else x_BS
+
+
+def _plain_mean_cross_entropy(logits_BSV, labels_BS):
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS).mean()
 
 
 def _matmul_precision(runtime):

@@ -14,6 +14,7 @@ from models.config import from_mapping, read_yaml
 #   offload    as `layer`, with that input kept in host memory (`pinned_host`) instead of on the device.
 REMAT_POLICIES = ("none", "attention", "layer", "offload")
 REMAT_AUTO = "auto"  # a run's request for the planner (`train.plan`), resolved before the model is built
+LOSS_CHUNK_AUTO = "auto"  # the trainer's choice (`train.loss_chunk`); elsewhere the default below
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
@@ -71,8 +72,9 @@ class RuntimeConfig:
   # (`train.plan`) chooses from the compiled step's memory before the model is built.
   remat: str | tuple[str, ...] = "none"
   # Tokens per device per chunk of the loss head (`models.loss`): the float32 logits are never whole. 0: the
-  # plain loss over full logits.
-  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+  # plain loss over full logits. "auto": the trainer takes the largest chunk whose compiled step needs no more
+  # memory than at DEFAULT_LOSS_CHUNK_TOKENS (`train.loss_chunk`); a model built with "auto" uses the default.
+  loss_chunk_tokens: int | str = LOSS_CHUNK_AUTO
   # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
   attention_implementation: str = "auto"
   # Split the parameters outside the experts (attention, embeddings, dense and shared MLPs) over ('data',
@@ -98,10 +100,16 @@ class RuntimeConfig:
     if unknown:
       raise ValueError(f"remat {unknown} unknown; each layer's is one of {list(REMAT_POLICIES)} (or auto for "
                        "every layer)")
-    if self.loss_chunk_tokens < 0:
-      raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: full logits)")
+    if self.loss_chunk_tokens != LOSS_CHUNK_AUTO and not (isinstance(self.loss_chunk_tokens, int)
+                                                          and self.loss_chunk_tokens >= 0):
+      raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer ≥ 0 (0: full logits) or "
+                       f"{LOSS_CHUNK_AUTO!r}")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
       raise ValueError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
+
+  def loss_chunk(self):
+    """Tokens per device per chunk of the loss head (0: the plain loss), with "auto" not resolved: the default."""
+    return DEFAULT_LOSS_CHUNK_TOKENS if self.loss_chunk_tokens == LOSS_CHUNK_AUTO else self.loss_chunk_tokens
 
   def remat_of(self, layer):
     return self.remat if isinstance(self.remat, str) else self.remat[layer]

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import capacity, cp_attention, grouped_gemm, harness, moe_layer, moe_layer_worker, train_compare
+from benchmarks import (capacity, cp_attention, grouped_gemm, harness, loss_head, moe_layer, moe_layer_worker,
+                        train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 
@@ -366,3 +367,18 @@ def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
   assert row["variant"] == "xla_tiles" and 0 < row["fwd_ms"] < row["fwd_bwd_ms"]
   assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
       f"summary: cp_attention gpu=cpu tokens=256 xla_tiles_tflops={row['fwd_bwd_tflops']:.0f}")
+
+
+def test_loss_head_times_every_variant_and_writes_its_summary(tmp_path):
+  """Tiny shapes on CPU: a row per variant and chunk, the matmul roof first, and the summary naming the best."""
+  out = tmp_path / "loss_head.json"
+  loss_head.main(["--tokens", "256", "--d-model", "16", "--vocab", "512", "--recompute-chunks", "64",
+                  "--forward-chunks", "64,256", "--iters", "1", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["variant"], r["chunk"]) for r in rows] == [("matmul", None), ("recompute", 64), ("forward_grad", 64),
+                                                         ("forward_grad", 256)]
+  assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows), rows
+  best = min(r["ms"] for r in rows if r["variant"] == "forward_grad")
+  assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
+      f"summary: loss_head gpu=cpu tokens=256 recompute_ms={rows[1]['ms']:.1f} forward_grad_ms={best:.1f} "
+      f"matmul_roof_ms={rows[0]['ms']:.1f}")

@@ -93,11 +93,12 @@ def _loss_logits_grads(config, runtime, mesh, tokens, params):
   graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
   nnx.replace_by_pure_dict(state, params)
 
-  def loss(p):
-    ce_BS, aux = nnx.merge(graphdef, p).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
-    return ce_BS.mean() + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["router_z_loss"], ce_BS
+  def loss(p):  # the trainer's: the mean cross-entropy's gradient computed in its forward
+    ce, aux = nnx.merge(graphdef, p).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
+    return ce + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["router_z_loss"]
 
-  (value, ce_BS), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+  value, grads = jax.jit(jax.value_and_grad(loss))(state)
+  ce_BS = jax.jit(lambda p: nnx.merge(graphdef, p).cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])[0])(state)
   logits = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens[:, :-1]))(state)
   return value, ce_BS, logits, nnx.to_pure_dict(grads)
 

@@ -5,6 +5,8 @@ must all compute the same loss and gradients, `offload` keeping the layer input 
 import contextlib
 import dataclasses
 import io
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_close, mesh_of
 from models import qwen3
-from models.loss import chunked_cross_entropy
-from models.qwen3_config import RuntimeConfig, load_config
-from train.config import MeshConfig
+from models.loss import chunked_cross_entropy, mean_cross_entropy
+from models.qwen3_config import DEFAULT_LOSS_CHUNK_TOKENS, RuntimeConfig, load_config
+from train.compile import memory_plan
+from train.config import MeshConfig, RunConfig, load_run_config
+from train.loss_chunk import SAME_BYTES, candidates, resolve_loss_chunk, widest, with_loss_chunk
 from train.mesh import build_mesh
 
 TOKEN_AXES = ("data", "expert")
@@ -31,24 +35,35 @@ def _plain(x, head, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-@pytest.mark.parametrize("mesh_shape,vocab_axis,chunk_tokens,vocab_tile", [
+CASES = [  # mesh shape, token axes, sequence axis, vocabulary axis, chunk tokens, vocabulary tile
     # 10 tokens per device: 5 positions of the local batch of 2, a tail chunk of 2 of 37; tiles 24 + 24 + 16 of 64
-    ((2, 4, 1), None, 10, 24),
-    ((2, 2, 2), "tensor", 16, 12),  # vocabulary split over 'tensor': 32 columns per device, tiles 12 + 12 + 8
-    ((2, 4, 1), None, 10_000, 10_000),  # one chunk, one tile
-])
-def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_axis, chunk_tokens, vocab_tile):
+    ((2, 4, 1), TOKEN_AXES, None, None, 10, 24),
+    ((2, 2, 2), TOKEN_AXES, None, "tensor", 16, 12),  # vocabulary split over 'tensor': 32 columns per device
+    ((2, 4, 1), TOKEN_AXES, None, None, 10_000, 10_000),  # one chunk, one tile
+    # context parallelism: each sequence's 36 positions split over 'expert', 9 per device, chunks 4 + 4 + 1
+    ((2, 4, 1), ("data",), "expert", None, 16, 24),
+]
+
+
+def _case(mesh_shape, token_axes, sequence_axis, vocab_axis, chunk_tokens, vocab_tile, seq_len=37):
   mesh = mesh_of(mesh_shape, TOKEN_AXES + ("tensor",))
   rng = np.random.default_rng(0)
-  b, s, d, v = 8, 37, 16, 64
+  b, s, d, v = 8, seq_len - (seq_len % mesh.shape[sequence_axis] if sequence_axis else 0), 16, 64
   x = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
   head = jnp.asarray(rng.normal(size=(d, v)) / 4, jnp.float32)
   labels = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
-  weights = jnp.asarray(rng.normal(size=(b, s)), jnp.float32)  # a cotangent that differs per token
+  options = dict(mesh=mesh, token_axes=token_axes, sequence_axis=sequence_axis, vocab_axis=vocab_axis,
+                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
+  return x, head, labels, options
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(case):
+  x, head, labels, options = _case(*case)
+  weights = jnp.asarray(np.random.default_rng(1).normal(size=labels.shape), jnp.float32)  # a per-token cotangent
 
   def chunked(x, head):
-    return chunked_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES, vocab_axis=vocab_axis,
-                                 chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
+    return chunked_cross_entropy(x, head, labels, **options)
 
   assert_close(jax.jit(chunked)(x, head), _plain(x, head, labels), LOSS_RTOL, "per-token loss")
   weighted = lambda f: lambda x, head: jnp.sum(f(x, head) * weights)  # noqa: E731
@@ -57,6 +72,48 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(mesh_shape, vocab_
   for name, a, r in zip(("dx", "dhead"), ours, ref):
     assert a.dtype == r.dtype, name
     assert_close(a, r, LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mean_loss_with_its_gradient_from_the_forward_equals_the_plain_loss(case):
+  """`mean_cross_entropy`: its value alone (the per-token forward, summed), and its value and gradients (computed
+  in the forward, then scaled by the incoming cotangent, here 3) against the plain loss's."""
+  x, head, labels, options = _case(*case)
+
+  def ours(x, head):
+    return 3 * mean_cross_entropy(x, head, labels, **options)
+
+  def ref(x, head):
+    return 3 * _plain(x, head, labels).mean()
+
+  assert_close(jax.jit(ours)(x, head), ref(x, head), LOSS_RTOL, "loss")
+  (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, head) for f in (ours, ref))
+  assert_close(value, ref_value, LOSS_RTOL, "loss, differentiated")
+  for name, a, r in zip(("dx", "dhead"), grads, ref_grads):
+    assert a.dtype == r.dtype, name
+    assert_close(a, r, LOSS_RTOL, name)
+
+
+def test_mean_loss_runs_three_bf16_matmuls_and_copies_nothing_per_chunk():
+  """The differentiated bf16 loss: three dot_generals (logits, dx, dhead; no recompute), each bf16 × bf16 with
+  float32 accumulation (no promotion of the operands); the compiled chunk loop copies no array (XLA:CPU's
+  program: GPU fusions differ, but a copy of the head, a chunk or the accumulators would show here too)."""
+  mesh = mesh_of((1, 1, 1), TOKEN_AXES + ("tensor",))
+  x, head = jnp.zeros((4, 256, 32), jnp.bfloat16), jnp.zeros((32, 1024), jnp.bfloat16)
+  labels = jnp.zeros((4, 256), jnp.int32)
+  loss = lambda x, head, labels: mean_cross_entropy(x, head, labels, mesh=mesh, token_axes=TOKEN_AXES,  # noqa: E731
+                                                    chunk_tokens=256)
+  lowered = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, head, labels)
+  dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+  assert len(dots) == 3, dots
+  assert all(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\) -> tensor<[0-9x]+xf32>", d) for d in dots), dots
+  program = lowered.compile().as_text()
+  names = set(re.findall(r"body=(%[\w.-]+)", program))
+  bodies = [c for c in re.split(r"\n(?=\S)", program) if c.split(" ", 1)[0] in names]
+  assert bodies and len(bodies) == len(names), names
+  copied = [[int(n) for n in m.group(1).split(",") if n] for body in bodies
+            for m in re.finditer(r"= \S+\[([0-9,]*)\]\S* copy\(", body)]
+  assert all(math.prod(shape) <= 4 * 64 for shape in copied), copied  # at most a number per token of the chunk
 
 
 def test_chunked_loss_keeps_the_head_gradient_in_the_heads_dtype():
@@ -130,6 +187,42 @@ def test_model_loss_is_the_same_chunked_and_under_every_remat_policy(model_setup
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
+MODEL_CASES = {  # mesh, runtime changes
+    "2x4": (MeshConfig(data=2, expert=4), {}),
+    "fsdp-2x4": (MeshConfig(data=2, expert=4), dict(fsdp=True)),
+    "context_parallel-2x4": (MeshConfig(data=2, expert=4), dict(context_parallel=True)),
+    "vocab_over_tensor-2x2x2": (MeshConfig(data=2, expert=2, tensor=2), {}),
+}
+
+
+@pytest.mark.slow  # compiles the model twice per case (~20 s on 2 cores); CI's second step runs them
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_model_mean_loss_from_the_forward_gradient_equals_the_plain_loss(case):
+  """The trainer's loss (`mean_cross_entropy_and_aux`, chunks of 12 tokens per device: tail chunks) against full
+  logits: the loss and the gradient of every parameter, float32."""
+  mesh_config, changes = MODEL_CASES[case]
+  mesh = build_mesh(mesh_config)
+  config = load_config("tiny", num_hidden_layers=2)
+  runtime = RuntimeConfig(loss_chunk_tokens=0, dtype="float32", **changes)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (8, 33)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+
+  def value_and_grads(runtime):
+    graphdef, _ = qwen3.abstract(config, mesh, runtime=runtime)
+
+    def loss(params):
+      ce, aux = nnx.merge(graphdef, nnx.State(params)).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])
+      return ce + 0.01 * aux["load_balancing_loss"]
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  ref_value, ref_grads = value_and_grads(runtime)
+  value, grads = value_and_grads(dataclasses.replace(runtime, loss_chunk_tokens=12))
+  assert abs(float(value) - float(ref_value)) <= LOSS_RTOL * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("policy,on_host", [("offload", True), ("layer", False)])
 def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_setup, policy, on_host):
   """What the step saves for backward (jaxpr level; XLA:CPU then ignores memory spaces, GPUs honour them): under
@@ -167,3 +260,57 @@ def test_offload_on_a_gpu_moves_the_layer_inputs_to_the_host_and_changes_nothing
   assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
   for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_the_widest_loss_chunk_is_the_largest_that_needs_no_more_memory():
+  """A binary search over the candidates (bytes grow with the chunk): the largest within the default's bytes (and
+  the few bytes a compile may differ by), asking about as few chunks as it needs."""
+  chunks = [2048, 4096, 8192, 16384, 32768, 65536]
+  bytes_at = {1024: 100, 2048: 100, 4096: 100 + SAME_BYTES, 8192: 100 + SAME_BYTES + 1, 16384: 300, 32768: 400,
+              65536: 500}
+  asked = []
+
+  def bytes_of(chunk):
+    asked.append(chunk)
+    return bytes_at[chunk]
+
+  assert widest(bytes_at[1024], chunks, bytes_of) == 4096
+  assert len(asked) <= 3, asked
+  assert widest(100, chunks, lambda chunk: 100) == 65536
+  assert widest(100, chunks, lambda chunk: 10**9) == DEFAULT_LOSS_CHUNK_TOKENS
+
+
+def test_loss_chunk_candidates_double_up_to_the_tokens_per_device():
+  def chunks(batch_size, seq_len):
+    run = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=batch_size, seq_len=seq_len)
+    return candidates(run)
+
+  assert chunks(16, 4096) == [2048, 4096, 8192]  # 8192 tokens per device
+  assert chunks(8, 1500) == [1500]
+  assert chunks(16, 512) == []  # 1024 tokens per device: the default holds them all
+
+
+def test_loss_chunk_is_auto_unless_given():
+  assert RuntimeConfig().loss_chunk_tokens == "auto" and RuntimeConfig().loss_chunk() == DEFAULT_LOSS_CHUNK_TOKENS
+  run = load_run_config("cpu", ["runtime.loss_chunk_tokens=4096"])
+  assert run.runtime.loss_chunk_tokens == 4096 and run.runtime.loss_chunk() == 4096
+  assert RuntimeConfig(loss_chunk_tokens=0).loss_chunk() == 0
+  with pytest.raises(ValueError, match="loss_chunk_tokens='big'"):
+    RuntimeConfig(loss_chunk_tokens="big")
+
+
+@pytest.mark.slow  # compiles the tiny model's step four times (~90 s on 2 cores)
+def test_auto_loss_chunk_keeps_the_steps_memory(tmp_path):
+  """2048 tokens per device: the step at the chosen chunk compiles to no more bytes than at the default, and a
+  larger candidate, where there is one, to more."""
+  run = RunConfig(model="tiny", model_overrides=dict(num_hidden_layers=1), mesh=MeshConfig(data=2, expert=4),
+                  batch_size=8, seq_len=2048, runtime=RuntimeConfig(dtype="float32"), out_dir=str(tmp_path))
+  resolved, step = resolve_loss_chunk(run, log=lambda *_: None)
+  chunk = resolved.runtime.loss_chunk_tokens
+  assert isinstance(chunk, int) and chunk in (DEFAULT_LOSS_CHUNK_TOKENS, *candidates(run))
+  total = {c: memory_plan(with_loss_chunk(run, c))["total_bytes"] for c in (DEFAULT_LOSS_CHUNK_TOKENS, chunk)}
+  assert total[chunk] <= total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES, total
+  assert (step is None) == (chunk != DEFAULT_LOSS_CHUNK_TOKENS)
+  larger = [c for c in candidates(run) if c > chunk]
+  if larger:
+    assert memory_plan(with_loss_chunk(run, larger[0]))["total_bytes"] > total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES

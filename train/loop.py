@@ -21,6 +21,7 @@ from train.data import make_source
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
+from train.loss_chunk import resolve_loss_chunk
 from train.remat_auto import resolve_remat, suggest
 from train.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.profile import StepProfiler, check_window
@@ -73,7 +74,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
   run_config, remat_plan, step = resolve_remat(run_config)
-  if step is None:  # remat=auto compiled the chosen plan already
+  run_config, step = resolve_loss_chunk(run_config, step)
+  if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
     log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
                      "devices)")
     step = compile_step(run_config)

@@ -39,11 +39,10 @@ def make_optimizer(optim, total_steps):
 
 
 def loss_fn(params, graphdef, tokens_BS1, model_config):
-  """Next-token cross-entropy (float32, chunked: the full logits never exist) plus the router losses, as
-  configured."""
+  """Next-token cross-entropy (float32, chunked: the full logits never exist; its gradient computed in the forward)
+  plus the router losses, as configured."""
   model = nnx.merge(graphdef, nnx.State(params))
-  ce_BS, aux = model.cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
-  ce = ce_BS.mean()
+  ce, aux = model.mean_cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
   loss = (ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"]
           + model_config.router_z_loss_coef * aux["router_z_loss"])
   return loss, dict(ce=ce, **aux)
