@@ -30,6 +30,7 @@ MATMULS = {"dot", "ragged-dot", "convolution"}
 MATMUL_CUSTOM_CALLS = ("gemm", "matmul", "mosaic")  # cuBLAS, cuBLASLt and Mosaic GPU kernels (ours, JAX's)
 COPIES = {"copy", "copy-start", "copy-done"}
 CONTAINERS = {"while", "conditional", "call"}  # XLA:CPU traces them as events holding their body's
+_MATMUL_PARTS = ("lm_head", "moe_other", "moe_matmul", "projection", "attention")
 PLUMBING = {"parameter", "bitcast", "tuple", "get-tuple-element", "copy"}  # a fusion of only these is a copy
 
 
@@ -130,6 +131,17 @@ def part_of(instruction, event_name=""):
   return part
 
 
+def _unnamed_graph_kernel_part(named_parts):
+  """The part of a kernel in a CUDA graph that no HLO instruction is named after. XLA names a graph's fusion
+  kernels after their fusions but not the library and custom-call kernels beside them (cuBLAS, cuDNN, Mosaic
+  GPU), which are the matmuls and attention: such a kernel takes the part of the graph's named kernels that holds
+  the most time among those with matmuls (the LM head, the MoE, where it is a grouped matmul since every other
+  MoE kernel there is a named fusion, the dense projections, attention), else among all of them."""
+  with_matmuls = collections.Counter({p: t for p, t in named_parts.items() if p in _MATMUL_PARTS})
+  part = ((with_matmuls or named_parts).most_common(1) or [("unattributed", 0)])[0][0]
+  return "moe_matmul" if part in ("moe_other", "moe_matmul") else part
+
+
 def module_name(hlo_text):
   return re.match(r"HloModule ([\w.\-]+)", hlo_text).group(1)
 
@@ -142,18 +154,30 @@ def step_parts(events, hlo_text, steps, wall_s):
   kernel_names = {re.sub(r"[.\-]", "_", name): name for name in instructions}  # a fusion's kernel is named so
   ms, launches = collections.Counter(), collections.Counter()
   by_op = collections.defaultdict(collections.Counter)
-  spans = []
-  for event in events:
-    instruction = instructions.get(event.hlo_op) if event.hlo_op else None
-    if event.hlo_op and instruction is None and event.hlo_op.startswith("command_buffer"):
-      instruction = instructions.get(kernel_names.get(event.name))  # a kernel in a CUDA graph (command buffer)
-    part = part_of(instruction, event.name)
-    if part is None:
-      continue
+  graph_parts = collections.defaultdict(collections.Counter)  # command buffer: ms of its named kernels by part
+  spans, unnamed = [], []
+
+  def count(event, part):
     ms[part] += event.dur_us / 1e3 / steps
     launches[part] += 1
     by_op[part][event.hlo_op or event.name] += event.dur_us / 1e3 / steps
     spans.append((event.start_us, event.start_us + event.dur_us))
+
+  for event in events:
+    instruction = instructions.get(event.hlo_op) if event.hlo_op else None
+    in_graph = bool(event.hlo_op) and instruction is None and event.hlo_op.startswith("command_buffer")
+    if in_graph:
+      instruction = instructions.get(kernel_names.get(event.name))  # a kernel in a CUDA graph (command buffer)
+      if instruction is None:
+        unnamed.append(event)
+        continue
+    part = part_of(instruction, event.name)
+    if part is not None:
+      count(event, part)
+      if in_graph:
+        graph_parts[event.hlo_op][part] += event.dur_us
+  for event in unnamed:
+    count(event, _unnamed_graph_kernel_part(graph_parts[event.hlo_op]))
   step_ms = wall_s * 1e3 / steps
   busy_ms = union_us(spans) / 1e3 / steps
 
