@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 from models import qwen3
 from models.hf_config import config_from_hf, config_to_hf
 from models.qwen3_config import RuntimeConfig, layer_groups
-from models.router_bias import BIAS
+from models.router_state import BIAS
 from models.safetensors_io import INDEX_FILE, Checkpoint
 
 MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file

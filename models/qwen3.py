@@ -27,7 +27,7 @@ from models.context_parallel import (check_sequence, context_attention, flatten_
 from models.cudnn_attention import tile_kernels
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
-from models.router_bias import RouterBias
+from models.router_state import bias_value, router_bias, router_losses
 from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
 from relaymoe_jax.axes import EXPERT, TENSOR
 
@@ -174,8 +174,7 @@ class MoE(_Layer):
     self.router_DE = param("router_DE", (d, e))
     self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
     self.w_down_EFD = param("experts_out_EFD", (e, f, d))
-    if c.router_bias_update_rate:
-      self.router_bias_E = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,), mesh=mesh)
+    self.router_bias_E = router_bias(c, mesh)
     if c.shared_expert_intermediate_size:
       fs = c.shared_expert_intermediate_size
       self.shared_gate_DF, self.shared_up_DF = param("mlp_in_DF", (d, fs)), param("mlp_in_DF", (d, fs))
@@ -191,10 +190,9 @@ class MoE(_Layer):
     b, s, d = x_BSD.shape
     run = self.runtime
     x_TD = flatten_tokens(x_BSD, self.mesh) if run.context_parallel else x_BSD.reshape(b * s, d)
-    bias_E = self.router_bias_E[...] if c.router_bias_update_rate else None
     with jax.named_scope("router"):
       idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
-                                   norm_topk_prob=c.norm_topk_prob, bias_E=bias_E)
+                                   norm_topk_prob=c.norm_topk_prob, bias_E=bias_value(self.router_bias_E))
     shared = {}
     if c.shared_expert_intermediate_size:
       shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
@@ -347,9 +345,7 @@ class Qwen3MoE(_Layer):
 
   def hidden_and_aux(self, tokens_BS):
     """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
-    losses of the MoE layers: Hugging Face's load-balancing loss over every layer's routing
-    (`rm.load_balancing_loss`) and the mean z-loss, scalars, and under "moe" every MoE layer's `rm.MoEAux`
-    stacked over layers (arrays [Y, ...]; absent without MoE layers))."""
+    losses and statistics of the MoE layers: `models.router_state.router_losses`)."""
     b, s = tokens_BS.shape
     held = NamedSharding(self.mesh, activation_spec(self.runtime))
     tokens_BS = jax.lax.with_sharding_constraint(self._in_held_order(tokens_BS), held)
@@ -360,13 +356,7 @@ class Qwen3MoE(_Layer):
     for layers in self.layers:
       x, layer_auxes = layers(x, positions_BS)
       auxes += layer_auxes
-    x = self.norm(x)
-    if not auxes:
-      return x, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
-    routers = [a.router for a in auxes]
-    return x, {"load_balancing_loss": rm.load_balancing_loss(routers),
-               "router_z_loss": sum(a.z_loss for a in routers) / len(routers),
-               "moe": jax.tree.map(lambda *layers: jnp.stack(layers), *auxes)}
+    return self.norm(x), router_losses(auxes)
 
   def _ring(self):
     return self.mesh.shape[EXPERT]

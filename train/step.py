@@ -9,7 +9,7 @@ from flax import nnx
 
 import relaymoe_jax as rm
 from models import qwen3
-from models.router_bias import update_router_biases
+from models.router_state import update_router_biases
 from train.accumulate import accumulated_value_and_grad
 
 
