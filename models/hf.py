@@ -15,6 +15,7 @@ Both expert layouts are read: per expert (`mlp.experts.J.{gate,up,down}_proj.wei
 
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 
@@ -26,6 +27,7 @@ from safetensors.numpy import save_file
 from models import qwen3
 from models.hf_config import config_from_hf, config_to_hf
 from models.qwen3_config import RuntimeConfig, layer_groups
+from models.router_state import BIAS
 from models.safetensors_io import INDEX_FILE, Checkpoint
 
 MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
@@ -242,9 +244,11 @@ def load_params(config, mesh, hf_dir, device_by_device=True, *, runtime=RuntimeC
   into its sharding (`device_by_device=False`: through `jax.make_array_from_callback`, for comparison)."""
   checkpoint = Checkpoint(hf_dir)
   graphdef, state, shapes = abstract_state(config, mesh, runtime)
-  params = param_sources(config, runtime, shapes, _fused_layers(config, checkpoint))
+  # Qwen3-MoE and Qwen2-MoE have no router bias: loss-free balancing's starts at zero.
+  arrays = {p: jax.numpy.zeros(s.shape, s.dtype, device=s.sharding) for p, s in shapes.items() if p[-1] == BIAS}
+  params = param_sources(config, runtime, {p: s for p, s in shapes.items() if p not in arrays},
+                         _fused_layers(config, checkpoint))
   _check_tensors(config, checkpoint, params, shapes)
-  arrays = {}
   for path, param in params.items():
     shape = shapes[path]
     read = _reader(checkpoint, param, shape.shape, np.dtype(shape.dtype))
@@ -360,6 +364,10 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
     raise ValueError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
   hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  if config.router_bias_update_rate:
+    logging.getLogger(__name__).warning(
+        "to_hf: the router bias of auxiliary-loss-free balancing is not exported: %s has no field for it (DeepSeek-V3's"
+        " e_score_correction_bias is one); transformers will route without it", hf_config["model_type"])
   params = param_sources(config, model.runtime, flat)
   out_dir = pathlib.Path(out_dir)
   writer = _ShardWriter(out_dir, max_shard_bytes) if jax.process_index() == 0 else None

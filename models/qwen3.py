@@ -27,6 +27,7 @@ from models.context_parallel import (check_sequence, context_attention, flatten_
 from models.cudnn_attention import tile_kernels
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
+from models.router_state import bias_value, router_bias, router_losses
 from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
 from relaymoe_jax.axes import EXPERT, TENSOR
 
@@ -173,6 +174,7 @@ class MoE(_Layer):
     self.router_DE = param("router_DE", (d, e))
     self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
     self.w_down_EFD = param("experts_out_EFD", (e, f, d))
+    self.router_bias_E = router_bias(c, mesh)
     if c.shared_expert_intermediate_size:
       fs = c.shared_expert_intermediate_size
       self.shared_gate_DF, self.shared_up_DF = param("mlp_in_DF", (d, fs)), param("mlp_in_DF", (d, fs))
@@ -190,16 +192,17 @@ class MoE(_Layer):
     x_TD = flatten_tokens(x_BSD, self.mesh) if run.context_parallel else x_BSD.reshape(b * s, d)
     with jax.named_scope("router"):
       idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
-                                   norm_topk_prob=c.norm_topk_prob)
+                                   norm_topk_prob=c.norm_topk_prob, bias_E=bias_value(self.router_bias_E))
     shared = {}
     if c.shared_expert_intermediate_size:
       shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
                             self.cast(self.shared_down_FD)), shared_gate_D1=self.cast(self.shared_gate_D1))
-    y_TD = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
-                      self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=run.dispatcher, token_axes=TOKEN_AXES,
-                      tensor_axis=TENSOR if run.moe_tensor_parallel else None, **shared,
-                      **dict(run.dispatcher_options))
-    return (unflatten_tokens(y_TD, b, s, self.mesh) if run.context_parallel else y_TD.reshape(b, s, d)), aux
+    y_TD, stats = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
+                             self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=run.dispatcher,
+                             token_axes=TOKEN_AXES, tensor_axis=TENSOR if run.moe_tensor_parallel else None,
+                             return_stats=True, **shared, **dict(run.dispatcher_options))
+    y_BSD = unflatten_tokens(y_TD, b, s, self.mesh) if run.context_parallel else y_TD.reshape(b, s, d)
+    return y_BSD, rm.MoEAux(router=aux, dropped_pairs=stats.dropped_pairs)
 
 
 class DecoderLayer(_Layer):
@@ -342,8 +345,7 @@ class Qwen3MoE(_Layer):
 
   def hidden_and_aux(self, tokens_BS):
     """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
-    losses of the MoE layers: Hugging Face's load-balancing loss over every layer's routing
-    (`rm.load_balancing_loss`) and the mean z-loss; a dict of scalars)."""
+    losses and statistics of the MoE layers: `models.router_state.router_losses`)."""
     b, s = tokens_BS.shape
     held = NamedSharding(self.mesh, activation_spec(self.runtime))
     tokens_BS = jax.lax.with_sharding_constraint(self._in_held_order(tokens_BS), held)
@@ -354,11 +356,7 @@ class Qwen3MoE(_Layer):
     for layers in self.layers:
       x, layer_auxes = layers(x, positions_BS)
       auxes += layer_auxes
-    x = self.norm(x)
-    if not auxes:
-      return x, {"load_balancing_loss": jnp.float32(0.0), "router_z_loss": jnp.float32(0.0)}
-    return x, {"load_balancing_loss": rm.load_balancing_loss(auxes),
-               "router_z_loss": sum(a.z_loss for a in auxes) / len(auxes)}
+    return self.norm(x), router_losses(auxes)
 
   def _ring(self):
     return self.mesh.shape[EXPERT]

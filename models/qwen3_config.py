@@ -43,6 +43,9 @@ class Qwen3MoEConfig:
   tie_word_embeddings: bool = False
   router_aux_loss_coef: float = 0.001
   router_z_loss_coef: float = 0.0
+  # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the router's probabilities, for the choice of
+  # experts only, moved by this rate × sign(mean load − load) after every training step. 0: no bias (Qwen3).
+  router_bias_update_rate: float = 0.0
   initializer_range: float = 0.02
   param_dtype: str = "float32"  # how the parameters are stored (Hugging Face's torch_dtype)
 
@@ -53,6 +56,8 @@ class Qwen3MoEConfig:
     if not 1 <= self.num_experts_per_tok <= self.num_experts:
       raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                        f"{self.num_experts}]")
+    if not self.router_bias_update_rate >= 0:  # NaN fails too
+      raise ValueError(f"router_bias_update_rate={self.router_bias_update_rate} must be ≥ 0 (0: off)")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 

@@ -23,6 +23,8 @@ point here):
   Q     query heads
   J     key/value heads
   Z     head_dim
+  Y     MoE layers (a model's, in order)
+  A     micro-batches of one training step (gradient accumulation)
 
     y, aux = rm.nnx.MoE(d_model, num_experts=E, top_k=K, d_ff=F, mesh=mesh, rngs=rngs)(x_BSD)  # or rm.linen.MoE
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)
@@ -36,6 +38,7 @@ from relaymoe_jax import linen_layer as linen, nnx_layer as nnx
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.balance import expert_load_stats, update_router_bias
 from relaymoe_jax.block import MoEAux
 from relaymoe_jax.compiler import COMPILER_OPTIONS, compiled_bytes
 from relaymoe_jax.dense import Dense, dense_moe
@@ -49,6 +52,6 @@ from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
 __all__ = [
     "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "DispatchStats", "EXPERT",
     "ExpertLayout", "MoEAux", "ModeVolume", "RingExpert", "RingToken", "RouterAux", "TENSOR", "compiled_bytes",
-    "dense_moe", "dense_swiglu", "linen", "load_balancing_loss", "make_dispatcher", "moe_ffn", "nnx", "plan_dispatch",
-    "route", "shared_expert",
+    "dense_moe", "dense_swiglu", "expert_load_stats", "linen", "load_balancing_loss", "make_dispatcher", "moe_ffn",
+    "nnx", "plan_dispatch", "route", "shared_expert", "update_router_bias",
 ]

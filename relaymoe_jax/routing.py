@@ -24,6 +24,7 @@ class RouterAux(NamedTuple):
     z_loss: mean over tokens of logsumexp(logits)², the router z-loss of ST-MoE.
     fraction_E: f_e, float32.
     mean_prob_E: P_e, float32.
+    entropy: mean over tokens of the router distribution's entropy, −Σ_e p_e ln p_e (nats; ln E when uniform).
   """
 
   load_balancing_loss: jax.Array
@@ -31,6 +32,7 @@ class RouterAux(NamedTuple):
   z_loss: jax.Array
   fraction_E: jax.Array
   mean_prob_E: jax.Array
+  entropy: jax.Array
 
 
 def load_balancing_loss(auxes):
@@ -43,7 +45,7 @@ def load_balancing_loss(auxes):
   return fraction_E.shape[0] * jnp.sum(fraction_E * prob_E)
 
 
-def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
+def route(x_TD, router_DE, *, top_k, norm_topk_prob=True, bias_E=None):
   """Chooses top_k experts per token.
 
   Zero tokens give empty routing and zero statistics and losses (a layer that saw no tokens adds nothing to a
@@ -54,6 +56,8 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
     router_DE: router weight (no bias).
     top_k: experts per token, 1 ≤ top_k ≤ E.
     norm_topk_prob: renormalise the k probabilities to sum to one (Qwen3 default).
+    bias_E: float32 per-expert bias added to the probabilities for the choice of experts only (auxiliary-loss-free
+      balancing, DeepSeek-V3); the weights stay the unbiased probabilities, and no gradient reaches the bias.
 
   Returns:
     (idx_TK int32 expert ids [..., K], w_TK router weights [..., K] in x's dtype, RouterAux over every token).
@@ -68,7 +72,11 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
   logits_TE = jnp.dot(x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32,
                       precision=matmul_precision(x_TD.dtype))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  w_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
+  if bias_E is None:
+    w_TK, idx_TK = jax.lax.top_k(probs_TE, top_k)
+  else:
+    _, idx_TK = jax.lax.top_k(jax.lax.stop_gradient(probs_TE + bias_E), top_k)
+    w_TK = jnp.take_along_axis(probs_TE, idx_TK, axis=-1)
   if norm_topk_prob:
     w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
   lead = tuple(range(x_TD.ndim - 1))
@@ -82,5 +90,6 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True):
       z_loss=jnp.sum(jax.nn.logsumexp(logits_TE, axis=-1) ** 2) / tokens,
       fraction_E=fraction_E,
       mean_prob_E=mean_prob_E,
+      entropy=jnp.sum(jax.nn.logsumexp(logits_TE, axis=-1) - jnp.sum(probs_TE * logits_TE, axis=-1)) / tokens,
   )
   return idx_TK.astype(jnp.int32), w_TK.astype(x_TD.dtype), aux

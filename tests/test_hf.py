@@ -209,6 +209,20 @@ def test_export_reproduces_every_tensor_bit_exactly(family, max_shard_bytes, tmp
     assert files == ["model.safetensors"] and not (tmp_path / safetensors_io.INDEX_FILE).exists()
 
 
+def test_a_router_bias_starts_at_zero_on_import_and_is_left_out_of_export(tmp_path, caplog):
+  """Qwen3-MoE has no field for loss-free balancing's bias: imported, it is zero; exported, the same tensors as
+  without it, and a warning says so."""
+  path = FIXTURES / "qwen3_moe"
+  model = hf.from_hf(path, mesh=_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
+                     router_bias_update_rate=0.01)
+  biases = [v for k, v in hf._paths(nnx.to_pure_dict(nnx.state(model))).items() if k[-1] == "router_bias_E"]
+  assert biases and not any(np.any(np.asarray(b)) for b in biases)
+  _assert_same_params(_params(model), _params(_loaded("qwen3_moe")))
+  hf.to_hf(model, tmp_path)
+  assert_same_tensors(tmp_path, path)
+  assert "router bias of auxiliary-loss-free balancing is not exported: qwen3_moe has no field" in caplog.text
+
+
 def test_a_config_no_family_holds_is_refused(tmp_path):
   config = load_config("tiny", attention_bias=True)
   with pytest.raises(ValueError, match="no Hugging Face family holds"):

@@ -30,8 +30,10 @@ jax.config.update("jax_include_full_tracebacks_in_locations", False)
 mosaic_gpu.stable_kernel_hashes()  # nor their number in the process (jaxlib ≥ 0.11 hashes a counter into each)
 
 
-def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh):
-  return jax.jit(make_train_step(graphdef, optimizer, schedule, model_config), donate_argnums=0,
+def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings, mesh, runtime, micro_batches=1):
+  step = make_train_step(graphdef, optimizer, schedule, model_config, runtime, micro_batches,
+                         state_shardings.params)
+  return jax.jit(step, donate_argnums=0,
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
 
 
@@ -95,7 +97,7 @@ def trace_step(run_config: RunConfig, devices=None):
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   graphdef, state = abstract_train_state(model_config, run_config.runtime, mesh, optimizer, run_config.seed)
   step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),
-                           mesh)
+                           mesh, run_config.runtime, run_config.micro_batches)
   batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
                                sharding=NamedSharding(mesh, batch_spec(run_config.runtime)))
   return step_fn.trace(state, batch), graphdef, state, mesh, model_config

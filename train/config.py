@@ -92,6 +92,9 @@ class RunConfig:
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   batch_size: int = 16  # global sequences per step
+  # Gradient accumulation: the step runs batch_size / micro_batches sequences at a time, in one compiled loop, and
+  # updates once with the whole batch's loss and gradients (`train.accumulate`).
+  micro_batches: int = 1
   seq_len: int = 64
   steps: int = 300
   seed: int = 0
@@ -108,15 +111,23 @@ class RunConfig:
   def __post_init__(self):
     if self.checkpoint_every < 0:
       raise ValueError(f"checkpoint_every={self.checkpoint_every} must be ≥ 0 (0: never)")
-    for name in ("batch_size", "seq_len", "log_every", "keep_checkpoints"):
+    for name in ("batch_size", "micro_batches", "seq_len", "log_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
+    if self.batch_size % self.micro_batches:
+      raise ValueError(f"batch_size={self.batch_size} does not split into micro_batches={self.micro_batches}")
     if self.steps < 0:
       raise ValueError(f"steps={self.steps} must be ≥ 0")
     if self.init_from and not self.init_from.startswith(INIT_SOURCES):
       raise ValueError(f"init_from={self.init_from!r} must start with one of {list(INIT_SOURCES)} (or be empty)")
     if not 0 <= self.memory_headroom < 1:
       raise ValueError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
+
+
+  @property
+  def micro_batch_size(self):
+    """Sequences per micro-batch: what one pass of the model holds."""
+    return self.batch_size // self.micro_batches
 
 
 # Keys that were the run's or the model config's before `runtime` held them, and where they are now.

@@ -37,7 +37,7 @@ def dispatch_plan(model_config, run_config, mesh):
   if mesh.shape[EXPERT] == 1 or not any(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers)):
     return None
   return rm.plan_dispatch(
-      tokens_per_device=run_config.batch_size * run_config.seq_len // token_shards(mesh),
+      tokens_per_device=run_config.micro_batch_size * run_config.seq_len // token_shards(mesh),
       d_model=model_config.hidden_size, d_ff=model_config.moe_intermediate_size,
       num_experts=model_config.num_experts, top_k=model_config.num_experts_per_tok, ring_size=mesh.shape[EXPERT],
       dtype=run_config.runtime.dtype,
@@ -109,7 +109,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
     print(f"compiled in {compile_s:.1f} s: {size(memory['total_bytes'])} per device", flush=True)
     if plan:  # a ring of one moves nothing: no plan
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
-  log = MetricsLog(out, run_config.steps, start, run_config.tensorboard)
+  moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
+  log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history = []
   pending = None  # (step, metrics of that step) still on device: read one step late

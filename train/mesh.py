@@ -38,8 +38,10 @@ def run_mesh(run_config, devices=None):
   mesh = build_mesh(run_config.mesh, devices)
   runtime = run_config.runtime
   shards = batch_shards(mesh, runtime)
-  if run_config.batch_size % shards:
-    raise ValueError(f"batch_size={run_config.batch_size} does not split over the mesh's {shards} shards of rows "
+  if run_config.micro_batch_size % shards:
+    what = (f"batch_size={run_config.batch_size}" if run_config.micro_batches == 1 else
+            f"the micro-batch (batch_size={run_config.batch_size} / micro_batches={run_config.micro_batches})")
+    raise ValueError(f"{what} does not split over the mesh's {shards} shards of rows "
                      f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
                      f"{shards}")
   if splits_sequences(runtime, mesh):

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2
-from tensorboardX.summary import scalar
+from tensorboardX.summary import histogram, scalar
 from tqdm import tqdm
 
 import relaymoe_jax as rm
@@ -19,6 +19,12 @@ from train.rundir import keep_metrics_before
 
 # Dense bf16 peak per device, for MFU, by device kind.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+# Per MoE layer lists (`train.step.expert_load_metrics`) and the TensorBoard scalar of their worst layer.
+WORST_LAYER = {"expert_load_max": max, "expert_load_min": min, "expert_load_cv": max, "dead_experts": sum,
+               "router_entropy": min, "dropped_pairs": sum}
+HISTOGRAM_ONLY = ("expert_tokens",)  # [Y, E]: TensorBoard histograms, one per layer; not in metrics.jsonl
 
 
 class LogWriteFailed(OSError):
@@ -37,10 +43,13 @@ class TensorBoard:
                                               session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
     self.events.flush()
 
-  def write(self, step, scalars):
+  def write(self, step, scalars, histograms=()):
+    """`scalars` {tag: number}; `histograms` (tag, values) pairs."""
     now = time.time()
-    for key, value in scalars.items():
-      self.events.write_event(event_pb2.Event(wall_time=now, step=step, summary=scalar(key, value)))
+    summaries = [scalar(key, value) for key, value in scalars.items()]
+    summaries += [histogram(key, np.asarray(values), bins="auto") for key, values in histograms]
+    for summary in summaries:
+      self.events.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary))
     self.events.flush()
 
   def close(self):
@@ -50,8 +59,9 @@ class TensorBoard:
 class MetricsLog:
   """metrics.jsonl (every logged step), TensorBoard, and a progress bar; only process 0 writes."""
 
-  def __init__(self, out_dir, total_steps, start_step, tensorboard):
+  def __init__(self, out_dir, total_steps, start_step, tensorboard, moe_layers=()):
     self.active = jax.process_index() == 0
+    self.moe_layers = list(moe_layers)  # the model's layer of each entry of a per-layer list
     self.path = pathlib.Path(out_dir) / "metrics.jsonl"
     self.tensorboard = self.bar = None
     self.failure = None  # why metrics.jsonl does not write: the loop stops the run, saving a checkpoint
@@ -73,14 +83,13 @@ class MetricsLog:
       return
     try:
       with self.path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+        fh.write(json.dumps({k: v for k, v in record.items() if k not in HISTOGRAM_ONLY}) + "\n")
     except OSError as err:
       self.failure = f"cannot write {self.path} ({err.strerror or err})"
       return
     if self.tensorboard:
       try:
-        self.tensorboard.write(record["step"], {k: v for k, v in record.items()
-                                                if k != "step" and isinstance(v, (int, float))})
+        self.tensorboard.write(record["step"], self._scalars(record), self._histograms(record))
       except OSError as err:
         self._tensorboard_off(err)
     postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
@@ -89,6 +98,15 @@ class MetricsLog:
     if record.get("mfu") is not None:
       postfix["mfu"] = f"{record['mfu']:.1%}"
     self.bar.set_postfix(postfix, refresh=False)
+
+  def _scalars(self, record):
+    scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    return scalars | {f"moe/{k}_worst_layer": pick(record[k]) for k, pick in WORST_LAYER.items() if record.get(k)}
+
+  def _histograms(self, record):
+    """Per MoE layer: the tokens each expert got (`moe/tokens_per_expert/layer_N`, N the model's layer)."""
+    return [(f"moe/tokens_per_expert/layer_{layer}", counts)
+            for layer, counts in zip(self.moe_layers, record.get("expert_tokens", ()))]
 
   def advance(self):
     if self.bar:
@@ -115,8 +133,14 @@ class MetricsLog:
 
 
 def host_scalars(metrics):
-  """Replicated scalars to Python floats (works when the array is not fully addressable, i.e. multi-process)."""
-  return {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+  """Replicated metrics to Python: scalars to floats, per-layer arrays to lists (works when the array is not fully
+  addressable, i.e. multi-process)."""
+
+  def value(v):
+    v = np.asarray(v.addressable_data(0))
+    return float(v) if v.ndim == 0 else v.tolist()
+
+  return {k: value(v) for k, v in metrics.items()}
 
 
 def peak_memory_bytes(compiled):

@@ -1,5 +1,6 @@
 """The activation planner (RelayMoE §3.4, extended): per layer, what backward recomputes, chosen from the compiled
-step's memory, and the longest sequence or largest micro-batch that fits.
+step's memory, and the longest sequence or largest micro-batch that fits. With gradient accumulation the step
+holds one micro-batch at a time: tokens per device, recompute time and layer inputs are a micro-batch's.
 
 Every number comes from XLA's buffer assignment of the real train step compiled from shapes alone
 (`train.compile.memory_plan`: nothing is allocated), but one estimate: `offload` in every layer, taken as `layer`'s
@@ -101,7 +102,7 @@ def caps_chunks(run_config, devices=None):
   if runtime.dispatcher not in RINGS or {"chunk_rows", "max_chunk_rows"} & set(dict(runtime.dispatcher_options)):
     return False
   mesh = build_mesh(run_config.mesh, devices)
-  tokens = run_config.batch_size * run_config.seq_len // token_shards(mesh)
+  tokens = run_config.micro_batch_size * run_config.seq_len // token_shards(mesh)
   top_k = model_config_for(run_config).num_experts_per_tok
   ladder = functools.partial(default_chunk_rows, tokens, top_k, mesh.shape[EXPERT])
   return ladder(FRUGAL_CHUNK_ROWS) != ladder()
@@ -238,7 +239,7 @@ class Planner:
   def _layer_input_bytes(self, changes):
     """Bytes per device of one layer's input, [tokens per device, D] in the compute dtype."""
     run = dataclasses.replace(self.run_config, **changes)
-    tokens = run.batch_size * run.seq_len // token_shards(build_mesh(run.mesh, self.devices))
+    tokens = run.micro_batch_size * run.seq_len // token_shards(build_mesh(run.mesh, self.devices))
     return tokens * model_config_for(run).hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
 
   def _greedy(self, uniform, layers, changes):
@@ -268,7 +269,7 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     c = model_config_for(run)
     mesh = build_mesh(run.mesh, self.devices)
-    tokens = run.batch_size * run.seq_len / token_shards(mesh)
+    tokens = run.micro_batch_size * run.seq_len / token_shards(mesh)
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
                                                                     for i in range(c.num_hidden_layers))))
     peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
@@ -278,7 +279,7 @@ class Planner:
 
   def _result(self, remat, plan, changes, keep_gate_up=False):
     run = dataclasses.replace(self.run_config, **changes)
-    return Plan(remat=tuple(remat), batch_size=run.batch_size, seq_len=run.seq_len,
+    return Plan(remat=tuple(remat), batch_size=run.batch_size, micro_batches=run.micro_batches, seq_len=run.seq_len,
                 state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
                 budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles),
                 max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up)

@@ -17,7 +17,7 @@ class Plan:
   """A remat choice per layer for one run shape, with the compiled step's bytes per device."""
 
   remat: tuple[str, ...]
-  batch_size: int
+  batch_size: int  # the whole step's
   seq_len: int
   state_bytes: int
   temp_bytes: int
@@ -27,6 +27,7 @@ class Plan:
   compiles: list = dataclasses.field(default_factory=list)  # (what was compiled, total bytes) in order
   max_chunk_rows: int | None = None  # FRUGAL_CHUNK_ROWS where the plan caps the ring's chunks
   keep_gate_up: bool = False  # the expert ring keeps its gate/up projections for the backward
+  micro_batches: int = 1  # gradient accumulation: batch_size / micro_batches sequences at a time
 
   def summary(self):
     counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}

@@ -39,7 +39,8 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
            upgrade=True):
   """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at one sequence per shard
   of rows (per token shard; under context parallelism per 'data' shard, each sequence spanning 'expert'), or
-  (maximize="batch") the largest batch_size at the run's seq_len, each with its plan. Returns
+  (maximize="batch") the largest batch_size at the run's seq_len in one pass, each with its plan; where the run's
+  batch_size is larger, the plan for it in the fewest micro-batches that fit (`accumulating`). Returns
   {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
   results = {}
   mesh = build_mesh(run_config.mesh, devices)
@@ -50,16 +51,32 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
     config = variant_config(run_config, name)
     log(f"{name} ({config.runtime.dispatcher}):")
     if maximize == "seq":
-      planner = make_planner(dataclasses.replace(config, batch_size=shards), log, devices)
+      planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), log, devices)
       plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
     elif maximize == "batch":
-      planner = make_planner(config, log, devices)
+      planner = make_planner(dataclasses.replace(config, micro_batches=1), log, devices)
       plan, above = planner.maximize("batch_size", (granule or 1) * shards, upgrade)
+      if plan is not None and run_config.batch_size > plan.batch_size:
+        plan = accumulating(planner, run_config.batch_size, plan.batch_size, shards, log) or plan
     else:
       plan, above = make_planner(config, log, devices).plan(), None
     results[name] = dict(dispatcher=config.runtime.dispatcher, plan=plan, not_fitting=above,
                          options=dict(config.runtime.dispatcher_options))
   return results
+
+
+def accumulating(planner, batch_size, most, shards, log=print, tries=3):
+  """The plan of `batch_size` in the fewest micro-batches that fit: micro-batches of at most `most` sequences (the
+  largest that fit in one pass), a multiple of `shards`, dividing the batch; each confirmed by compiling the
+  accumulating step (its float32 gradient sums take memory too), at most `tries` of them. None where none fits."""
+  counts = [m for m in range(-(-batch_size // most), batch_size // shards + 1)
+            if not batch_size % m and not (batch_size // m) % shards]
+  for m in counts[:tries]:
+    log(f"  batch_size={batch_size} does not fit in one pass (at most {most}): trying micro_batches={m}")
+    plan = planner.plan(batch_size=batch_size, micro_batches=m)
+    if plan.fits:
+      return plan
+  return None
 
 
 def render(results, maximize=None):
@@ -71,7 +88,9 @@ def render(results, maximize=None):
     if p is None:
       lines.append(f"| {name} | {r['dispatcher']} | — | — | nothing fits | | | | | no | {r['not_fitting']} |")
       continue
-    lines.append(f"| {name} | {r['dispatcher']} | {p.batch_size} | {p.seq_len} | {p.summary()} | "
+    batch = f"{p.batch_size} = {p.micro_batches} × {p.batch_size // p.micro_batches}" if p.micro_batches > 1 else (
+        p.batch_size)
+    lines.append(f"| {name} | {r['dispatcher']} | {batch} | {p.seq_len} | {p.summary()} | "
                  f"{_gib(p.state_bytes)} | {_gib(p.temp_bytes)} | {_gib(p.total_bytes)} | {_gib(p.budget_bytes)} | "
                  f"{'yes' if p.fits else 'no'} | {r['not_fitting'] or '—'} |")
   return "\n".join(lines)

@@ -3,10 +3,14 @@
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import relaymoe_jax as rm
 from models import qwen3
+from models.router_state import update_router_biases
+from train.accumulate import accumulated_value_and_grad
 
 
 class TrainState(NamedTuple):
@@ -38,27 +42,54 @@ def make_optimizer(optim, total_steps):
   ), schedule
 
 
-def loss_fn(params, graphdef, tokens_BS1, model_config):
+def loss_fn(params, graphdef, tokens_BS1, model_config, fraction_E=None):
   """Next-token cross-entropy (float32, chunked: the full logits never exist; its gradient computed in the forward)
-  plus the router losses, as configured."""
+  plus the router losses, as configured; parts: ce, the router losses and "moe" (every MoE layer's `rm.MoEAux`,
+  stacked; None without MoE layers). `fraction_E`: for one micro-batch of several (`train.accumulate`), the whole
+  batch's f_e (averaged over MoE layers), which the load-balancing loss then takes with this micro-batch's P_e."""
   model = nnx.merge(graphdef, nnx.State(params))
   ce, aux = model.mean_cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
-  loss = (ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"]
+  balance = aux["load_balancing_loss"]
+  if fraction_E is not None:
+    balance = fraction_E.shape[0] * jnp.sum(fraction_E * jnp.mean(aux["moe"].router.mean_prob_E, axis=0))
+  loss = (ce + model_config.router_aux_loss_coef * balance
           + model_config.router_z_loss_coef * aux["router_z_loss"])
-  return loss, dict(ce=ce, **aux)
+  return loss, dict(ce=ce, load_balancing_loss=balance, router_z_loss=aux["router_z_loss"], moe=aux.get("moe"))
 
 
-def make_train_step(graphdef, optimizer, schedule, model_config):
-  """train_step(state, tokens_BS1) -> (state, metrics); jit it with the state donated."""
+def expert_load_metrics(moe):
+  """Per MoE layer (lists over Y): tokens per expert as max/mean, min/mean and coefficient of variation, experts
+  that got no token, the router's entropy (nats), pairs a capacity factor dropped; and `expert_tokens` [Y, E]."""
+  if moe is None:
+    return {}
+  counts_YE = moe.router.expert_counts_E
+  stats = rm.expert_load_stats(counts_YE)
+  return dict(expert_load_max=stats["max_over_mean"], expert_load_min=stats["min_over_mean"],
+              expert_load_cv=stats["cv"], dead_experts=stats["dead"], router_entropy=moe.router.entropy,
+              dropped_pairs=moe.dropped_pairs, expert_tokens=counts_YE)
+
+
+def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, micro_batches=1,
+                    param_shardings=None):
+  """train_step(state, tokens_BS1) -> (state, metrics); jit it with the state donated. `micro_batches` > 1:
+  gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums). `runtime`: the model's
+  (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
 
   def train_step(state, tokens_BS1):
-    (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, tokens_BS1,
-                                                                     model_config)
+    if micro_batches == 1:
+      (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, tokens_BS1,
+                                                                       model_config)
+    else:
+      (loss, parts), grads = accumulated_value_and_grad(loss_fn, state.params, graphdef, tokens_BS1, model_config,
+                                                        micro_batches, param_shardings)
     with jax.named_scope("optimizer"):  # the step profile's part (`train.step_parts`)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
+      moe = parts.pop("moe")
+      if model_config.router_bias_update_rate:
+        params = update_router_biases(params, state.params, moe.router.expert_counts_E, model_config, runtime)
       metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
-                     learning_rate=schedule(state.step), **parts)
+                     learning_rate=schedule(state.step), **parts, **expert_load_metrics(moe))
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step
