@@ -151,22 +151,22 @@ def overlap(rows, ring):
 
 
 def render(rows, scaling):
-  lines = ["| shape | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 | "
-           "overlap (compute:transfer) | GEMM ms | exposed comm ms |", "|" + "---|" * 12]
-  by = {(r["shape"], r["tokens_per_gpu"], r["variant"]): r for r in rows}
+  lines = ["| shape | GPUs | T/GPU | variant | ms | peak GiB | temp GiB | useful TFLOP/s/GPU | vs dropless | vs cf1 | "
+           "overlap (compute:transfer) | GEMM ms | exposed comm ms |", "|" + "---|" * 13]
+  by = {(r["shape"], r["tokens_per_gpu"], r["variant"], r.get("gpus")): r for r in rows}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} | | | | | | | | |")
+      lines.append(f"| {r['shape']} | {r.get('gpus')} | {r['tokens_per_gpu']} | {r['variant']} | {r['error'][:40]} "
+                   "| | | | | | | | |")
       continue
     ratios = []
-    for base in (() if r["variant"].startswith(("compute_floor", "ring_nocomm", TRANSFER))
-                 else ("a2a_dropless", "a2a_cf1")):
-      b = by.get((r["shape"], r["tokens_per_gpu"], base))
+    for base in (() if r["variant"].startswith(("ring_nocomm", TRANSFER)) else ("a2a_dropless", "a2a_cf1")):
+      b = by.get((r["shape"], r["tokens_per_gpu"], base, r.get("gpus")))
       ratios.append(f"{b['latency_ms'] / r['latency_ms']:.2f}×" if b and "latency_ms" in b else "—")
     ratios = ratios or ["—", "—"]
     ov = overlap(rows, r) if r["variant"] in RING_SCHEDULES else None
     ov = f"{ov[0]:.2f} ({ov[1]:.1f}:1)" if ov else "—"
-    lines.append(f"| {r['shape']} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
+    lines.append(f"| {r['shape']} | {r.get('gpus')} | {r['tokens_per_gpu']} | {r['variant']} | {r['latency_ms']:.1f} | "
                  f"{r['peak_bytes'] / 2**30:.2f} | {r['temp_bytes'] / 2**30:.2f} | "
                  f"{r['useful_tflops_per_gpu']:.0f} | {ratios[0]} | {ratios[1]} | {ov} | {_profiled(r)} |")
   profiled = [r for r in rows if r.get("kernels")]
@@ -192,10 +192,12 @@ def render(rows, scaling):
 
 
 def summary(rows, scaling, shape=SUMMARY_SHAPE, tokens=SUMMARY_TOKENS):
-  by = {r["variant"]: r for r in rows if r["shape"] == shape and r["tokens_per_gpu"] == tokens and "error" not in r}
-  ring, dropless, cf1 = by.get("ring_expert"), by.get("a2a_dropless"), by.get("a2a_cf1")
+  at = [r for r in rows if r["shape"] == shape and r["tokens_per_gpu"] == tokens and "error" not in r]
+  ring = next((r for r in at if r["variant"] == "ring_expert"), None)
   if not ring:
     return None
+  by = {r["variant"]: r for r in at if r.get("gpus") == ring.get("gpus") or r["variant"].startswith("compute_floor")}
+  dropless, cf1 = by.get("a2a_dropless"), by.get("a2a_cf1")
 
   def floor(variant):
     return f"{by[variant]['useful_tflops_per_gpu']:.1f}" if variant in by else "nan"
@@ -313,8 +315,10 @@ def main(argv=None):
 
 
 def _merge_key(row):
-  """A row's point: a `transfer` row does not depend on the token count, so any later one of its shape replaces it."""
-  return row["shape"], row["variant"], None if row["variant"] == TRANSFER else row["tokens_per_gpu"]
+  """A row's point: a `transfer` row does not depend on the token count, so any later one of its shape replaces it;
+  rows of another GPU count are other points (the all-to-all on one GPU beside two)."""
+  return (row["shape"], row["variant"], None if row["variant"] == TRANSFER else row["tokens_per_gpu"],
+          row.get("gpus"))
 
 
 def merge(paths, out):

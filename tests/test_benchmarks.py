@@ -126,6 +126,12 @@ def test_merge_keeps_the_latest_row_of_each_point(tmp_path):
   assert len(again["rows"]) == len(merged["rows"]) and ("qwen3_30b", 8192, "ring_expert", 1.5) in [
       (r["shape"], r["tokens_per_gpu"], r["variant"], r["latency_ms"]) for r in again["rows"]]
   assert "speedup_vs_cf1=1.50" in text and "ep8_mem_ratio_cf1=5.00" in text
+  one_gpu = run("d", [dict(row("qwen3_30b", 65536, "a2a_cf1", 4.0), gpus=1),
+                      dict(row("qwen3_30b", 65536, "compute_floor", 2.0), gpus=1)])
+  moe_layer.merge([str(out), one_gpu], str(tmp_path / "one_gpu.json"))  # another GPU count is another point
+  text = (tmp_path / "one_gpu.txt").read_text()
+  assert "speedup_vs_cf1=1.50" in text  # the 2-GPU ring against the 2-GPU all-to-all still
+  assert "| qwen3_30b | 1 | 65536 | compute_floor | 2.0 | 0.00 | 0.00 | 1 | — | 2.00× |" in text
 
 
 def test_variant_names_a_chunk_ladder():
