@@ -4,6 +4,7 @@
 # second: --overwrite, the plan in OUT/remat_plan.json and the compiled steps kept). Results under $OUT.
 #   bash benchmarks/first_step.sh "a2a_16x4096:--config ep8 runtime.dispatcher=all_to_all runtime.remat=auto"
 #   GPU_TESTS=0 bash benchmarks/first_step.sh "ring_393216:--config ep8 batch_size=1 seq_len=393216 runtime.remat=auto"
+# STEPS=N trains N steps instead of 1 (the first step's time is unchanged; the rest give the step's speed).
 # Wheels the GPU image lacks (tensorboardX, tqdm, tokenizers, safetensors) are installed from .whl/ where missing.
 cd "$(dirname "$0")/.."
 for pair in tensorboardX:tensorboardx tqdm:tqdm tokenizers:tokenizers safetensors:safetensors; do
@@ -21,7 +22,7 @@ for case in "$@"; do
     rm -f "/tmp/$name/metrics.jsonl"
     start=$(date +%s.%N)
     # shellcheck disable=SC2086
-    timeout "${RUN_TIMEOUT:-280}" relaymoe-train $args steps=1 log_every=1 checkpoint_every=0 tensorboard=false \
+    timeout "${RUN_TIMEOUT:-280}" relaymoe-train $args steps="${STEPS:-1}" log_every=1 checkpoint_every=0 tensorboard=false \
       --out "/tmp/$name" $extra > "$OUT/${name}_run$i.log" 2>&1 &
     pid=$!
     first=""  # seconds to the first step's metrics line, the time to first step
