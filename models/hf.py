@@ -27,6 +27,7 @@ from models import qwen3
 from models.hf_config import config_from_hf, config_to_hf
 from models.qwen3_config import RuntimeConfig, layer_groups
 from models.safetensors_io import INDEX_FILE, Checkpoint
+from relaymoe_jax.errors import UserError
 
 MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
 
@@ -195,18 +196,18 @@ def _check_tensors(config, checkpoint, params, shapes):
       expected.update(hf_shapes(source, per_layer, config.num_experts))
   missing = sorted(set(expected) - set(checkpoint.entries))
   if missing:
-    raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
-                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
+    raise UserError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
+                    f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
   # A tied model's checkpoint may still hold lm_head.weight (a copy of the embeddings): transformers ignores it too.
   ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
   unexpected = sorted(set(checkpoint.entries) - set(expected) - ignored)
   if unexpected:
-    raise ValueError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
-                     f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
+    raise UserError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
+                    f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
   for key, shape in expected.items():
     if checkpoint.entries[key].shape != shape:
-      raise ValueError(f"tensor {checkpoint.where(key)} has shape {list(checkpoint.entries[key].shape)}; "
-                       f"the config needs {list(shape)}")
+      raise UserError(f"tensor {checkpoint.where(key)} has shape {list(checkpoint.entries[key].shape)}; "
+                      f"the config needs {list(shape)}")
 
 
 def _reader(checkpoint, param, shape, dtype):
@@ -357,7 +358,7 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
   config = model.config
   out_dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
   if out_dtype.name not in ("float32", "float16", "bfloat16"):
-    raise ValueError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
+    raise UserError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
   hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   params = param_sources(config, model.runtime, flat)

@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from relaymoe_jax.errors import UserError
+
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
                        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -37,16 +39,16 @@ class Checkpoint:
       files = sorted({hf_dir / f for f in weight_map.values()})
       absent = [str(f) for f in files if not f.exists()]
       if absent:
-        raise ValueError(f"{index} names file(s) that do not exist: {absent}")
+        raise UserError(f"{index} names file(s) that do not exist: {absent}")
     else:
       files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
-      raise ValueError(f"{hf_dir}: no *.safetensors files")
+      raise UserError(f"{hf_dir}: no *.safetensors files")
     self.entries = {}
     for file in files:
       for key, entry in _read_header(file).items():
         if key in self.entries:
-          raise ValueError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
+          raise UserError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
         self.entries[key] = entry
 
   def where(self, key):
@@ -58,7 +60,7 @@ class Checkpoint:
     if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
       return _read_raw(entry, index)
     if entry.dtype not in _SAFETENSORS_DTYPES:
-      raise ValueError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
+      raise UserError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
     with safe_open(entry.file, framework="numpy") as f:
       return f.get_slice(key)[index]
 

@@ -14,6 +14,7 @@ from flax import nnx
 import relaymoe_jax as rm
 from models import qwen3
 from relaymoe_jax.axes import EXPERT, TENSOR
+from relaymoe_jax.errors import MissingInput
 from train.checkpoints import Checkpoints
 from train.compile import check_fits, compile_step
 from train.config import RunConfig
@@ -68,7 +69,7 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False, profile=None):
 
 def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
-    raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints.directory}")
+    raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
   if profile:
     check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
   model_config = model_config_for(run_config)

@@ -23,6 +23,8 @@ import time
 import numpy as np
 from tokenizers import Tokenizer
 
+from relaymoe_jax.errors import UserError
+
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 BATCH_CHARS = 1 << 20  # characters per `encode_batch` call, so a large file is never one call
 CACHE_VERSION = 1  # in the key: bump when the cache's content for the same settings changes
@@ -36,12 +38,12 @@ class TokenizedText:
     self.input = pathlib.Path(data_config.path).resolve()
     tokenizer_path = pathlib.Path(data_config.tokenizer).expanduser()
     if not tokenizer_path.is_file():
-      raise ValueError(f"data.tokenizer {data_config.tokenizer!r} is not a file")
+      raise UserError(f"data.tokenizer {data_config.tokenizer!r} is not a file")
     tokenizer_bytes = tokenizer_path.read_bytes()
     try:
       self.tokenizer = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
     except Exception as err:  # tokenizers raises its own Exception subclass for every malformed file
-      raise ValueError(f"data.tokenizer {data_config.tokenizer!r} does not load: {err}") from None
+      raise UserError(f"data.tokenizer {data_config.tokenizer!r} does not load: {err}") from None
     self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
     self.eos = eos_id(self.tokenizer, data_config.eos_token, data_config.tokenizer)
     self.dtype = "uint16" if self.vocab_size <= 1 << 16 else "uint32"
@@ -76,10 +78,10 @@ class TokenizedText:
         f.flush()
         os.fsync(f.fileno())
       if not tokens:
-        raise ValueError(f"data.path {str(self.input)!r} holds no documents")
+        raise UserError(f"data.path {str(self.input)!r} holds no documents")
       os.replace(partial, self.cache)
     except UnicodeDecodeError as err:
-      raise ValueError(f"data.path {str(self.input)!r} is not UTF-8: {err}") from None
+      raise UserError(f"data.path {str(self.input)!r} is not UTF-8: {err}") from None
     finally:
       partial.unlink(missing_ok=True)
     return tokens, documents
@@ -101,7 +103,7 @@ def eos_id(tokenizer, eos_token, tokenizer_name):
   """The id of `eos_token` (a name or an id), or, when it is "", of the first of EOS_NAMES the tokenizer has."""
   if isinstance(eos_token, int):
     if tokenizer.id_to_token(eos_token) is None:
-      raise ValueError(f"data.eos_token={eos_token} is not an id of the tokenizer {tokenizer_name}")
+      raise UserError(f"data.eos_token={eos_token} is not an id of the tokenizer {tokenizer_name}")
     return eos_token
   names = (eos_token,) if eos_token else EOS_NAMES
   for name in names:
@@ -109,9 +111,9 @@ def eos_id(tokenizer, eos_token, tokenizer_name):
     if found is not None:
       return found
   if eos_token:
-    raise ValueError(f"data.eos_token={eos_token!r} is not a token of the tokenizer {tokenizer_name}")
-  raise ValueError(f"the tokenizer {tokenizer_name} has none of the usual end-of-document tokens {list(EOS_NAMES)}: "
-                   "set data.eos_token to the name or id of the token to write after each document")
+    raise UserError(f"data.eos_token={eos_token!r} is not a token of the tokenizer {tokenizer_name}")
+  raise UserError(f"the tokenizer {tokenizer_name} has none of the usual end-of-document tokens {list(EOS_NAMES)}: "
+                  "set data.eos_token to the name or id of the token to write after each document")
 
 
 def jsonl_documents(path, field):
@@ -122,10 +124,10 @@ def jsonl_documents(path, field):
       try:
         record = json.loads(line)
       except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {number}: not JSON ({err})") from None
+        raise UserError(f"{path}, line {number}: not JSON ({err})") from None
       text = record.get(field) if isinstance(record, dict) else None
       if not isinstance(text, str):
-        raise ValueError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
+        raise UserError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
       yield text
 
 
