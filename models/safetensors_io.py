@@ -13,6 +13,7 @@ from safetensors import safe_open
 from relaymoe_jax.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
                        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
                        "BOOL": np.bool_}
@@ -40,6 +41,9 @@ class Checkpoint:
       absent = [str(f) for f in files if not f.exists()]
       if absent:
         raise UserError(f"{index} names file(s) that do not exist: {absent}")
+      if (hf_dir / SINGLE_FILE).exists() and SINGLE_FILE not in weight_map.values():
+        raise UserError(f"{hf_dir} holds {INDEX_FILE} and a {SINGLE_FILE} that it does not name: two exports "
+                        f"mixed (transformers reads {SINGLE_FILE}, the index other files); remove the stale one")
     else:
       files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -63,6 +67,13 @@ class Checkpoint:
       raise UserError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
     with safe_open(entry.file, framework="numpy") as f:
       return f.get_slice(key)[index]
+
+
+def export_files(directory):
+  """The files in `directory` that an export (`models.hf.to_hf`) writes: what an earlier export left there."""
+  directory = pathlib.Path(directory)
+  named = [directory / n for n in ("config.json", SINGLE_FILE, INDEX_FILE) if (directory / n).exists()]
+  return sorted(named + [*directory.glob("model-*-of-*.safetensors"), *directory.glob(".part-*.safetensors")])
 
 
 def _read_header(file):

@@ -19,6 +19,7 @@ from conftest import requires_devices
 import relaymoe_jax as rm
 from models import hf, hf_config, safetensors_io
 from models.qwen3_config import RuntimeConfig, load_config
+from relaymoe_jax.errors import UserError
 from train.config import MeshConfig
 from train.mesh import build_mesh
 
@@ -282,6 +283,26 @@ def test_index_naming_an_absent_file_is_named(tmp_path):
   hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
   (tmp_path / "model-00002-of-00003.safetensors").unlink()
   with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
+    _from_hf(tmp_path)
+
+
+def test_a_second_export_into_the_same_directory_is_refused_or_replaces_exactly_the_first(tmp_path):
+  (tmp_path / "tokenizer.json").write_text("{}")
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)  # shards and their index
+  with pytest.raises(UserError, match=f"{tmp_path} holds an earlier export \\(config.json, "
+                                      r"model-00001-of-00003.safetensors, model-00002-of-00003.safetensors and 2 more"):
+    hf.to_hf(_loaded("qwen3_moe"), tmp_path)
+  assert hf.to_hf(_loaded("qwen3_moe"), tmp_path, overwrite=True) == ["model.safetensors"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert_same_tensors(tmp_path, FIXTURES / "qwen3_moe")
+
+
+def test_an_index_beside_a_model_safetensors_it_does_not_name_is_refused(tmp_path):
+  """What an export without the check above left: transformers would read model.safetensors, we the index."""
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
+  shutil.copy(FIXTURES / "qwen3_moe" / "model.safetensors", tmp_path)
+  with pytest.raises(UserError, match=f"{tmp_path} holds model.safetensors.index.json and a model.safetensors that "
+                                      "it does not name: two exports mixed"):
     _from_hf(tmp_path)
 
 

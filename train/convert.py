@@ -1,7 +1,7 @@
 """`relaymoe-convert`: weights in and out (the trainer's own `init_from` reads them: `train.sources`).
 
     relaymoe-convert hf-to-orbax HF_DIR OUT_DIR [model.KEY=VALUE ...] [mesh.AXIS=N ...]
-    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [mesh.AXIS=N ...]
+    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [--overwrite] [mesh.AXIS=N ...]
 
 `hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf`, shard by shard into the sharded
 layout) and writes OUT_DIR/model.yaml (the architecture) and OUT_DIR/params (an orbax checkpoint of the parameters),
@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from models.config import override, parse_assignment
-from models.hf import to_hf
+from models.hf import check_export_target, to_hf
 from relaymoe_jax.errors import MissingInput, UserError
 from train.checkpoints import Checkpoints
 from train.compile import abstract_train_state
@@ -57,8 +57,10 @@ def _check_hf_dir(hf_dir):
     raise MissingInput(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
 
 
-def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
-  """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint."""
+def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None, overwrite=False):
+  """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint; an earlier export in
+  `hf_dir` is refused before anything is read, or with `overwrite` replaced."""
+  check_export_target(hf_dir, overwrite)
   source = pathlib.Path(source).absolute()
   if (source / MODEL_YAML).exists():
     if step is not None:
@@ -70,7 +72,7 @@ def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
   else:
     raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
                        "(run_config.json)")
-  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype)
+  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype, overwrite=overwrite)
   return config
 
 
@@ -109,6 +111,8 @@ def _parse(argv):
   to_hf.add_argument("--step", type=int, help="the run's checkpoint step (default: the newest that reads)")
   to_hf.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                      help="of the written tensors (default: the parameters', float32 for a training run)")
+  to_hf.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier export in HF_DIR (its config.json and safetensors files; others stay)")
   for command in (to_orbax, to_hf):
     command.add_argument("overrides", nargs="*", metavar="key=value", help="model.KEY=VALUE, mesh.AXIS=N")
   args, rest = parser.parse_known_args(argv)  # key=value may also follow the options
@@ -139,7 +143,7 @@ def _convert(args):
   if model_overrides:
     raise UserError("orbax-to-hf takes the model config from its source; model.KEY=VALUE is not taken here")
   experts = _source_experts(pathlib.Path(args.source))
-  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype)
+  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype, args.overwrite)
   print(f"wrote {args.hf_dir} (config.json and safetensors, per-expert layout)")
 
 
