@@ -74,7 +74,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
     check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
-  run_config, remat_plan, step = resolve_remat(run_config)
+  run_config, remat_plan, step = resolve_remat(run_config, resume)
   run_config, step = resolve_loss_chunk(run_config, step)
   if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
     log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
