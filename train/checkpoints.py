@@ -121,7 +121,8 @@ class Checkpoints:
       # Checked before orbax reads any array: a read of the wrong shape fails inside tensorstore and floods stderr.
       raise UserError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's "
                       "parameters (another model config: layers, sizes, or runtime.scan_layers or runtime.remat, "
-                      f"which decide how layers stack); {_layout_difference(_leaf_shapes(stored), _leaf_shapes(abstract))}")
+                      "which decide how layers stack); "
+                      f"{_layout_difference(_leaf_shapes(stored), _leaf_shapes(abstract))}")
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted),
                                                                     meta=ocp.args.JsonRestore()))

@@ -12,7 +12,8 @@ RELAYMOE_COORDINATOR, RELAYMOE_NUM_PROCESSES, RELAYMOE_PROCESS_ID); under SLURM 
 Exit status: 0 done; 2 the run cannot start as asked (a bad config, a busy or used --out, no checkpoint to resume,
 a step that does not fit the device),
 printed as one line (`--debug` or RELAYMOE_DEBUG=1 for the traceback); 1 it failed while training (a non-finite
-loss) or a bug (its traceback and a line saying so); 143 / 130 stopped by SIGTERM / Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
+loss, data changed under the run) or a bug (its traceback and a line saying so); 143 / 130 stopped by SIGTERM /
+Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
 """
 
 import argparse

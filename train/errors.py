@@ -7,6 +7,7 @@ import traceback
 from relaymoe_jax.errors import UserError
 from train.checkpoints import CheckpointSaveFailed, CheckpointUnreadable
 from train.compile import StepDoesNotFit
+from train.data import DataChanged
 from train.metrics import LogWriteFailed
 from train.preempt import Stopped
 from train.rundir import RunDirectoryError
@@ -41,7 +42,7 @@ def exit_status(err):
   tracing this project's code look raised by it."""
   if isinstance(err, Stopped):
     return err.exit_status
-  if isinstance(err, (FloatingPointError, CheckpointSaveFailed, LogWriteFailed)):  # failed while training
+  if isinstance(err, (FloatingPointError, CheckpointSaveFailed, LogWriteFailed, DataChanged)):  # failed training
     return 1
   if isinstance(err, (UserError, RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
     return 2

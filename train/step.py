@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -48,6 +49,15 @@ def loss_fn(params, graphdef, tokens_BS1, model_config):
   return loss, dict(ce=ce, **aux)
 
 
+BAD_IDS = "token_ids_out_of_range"  # a metric the loop checks and does not log
+
+
+def bad_token_ids(tokens_BS1, model_config):
+  """How many ids of the batch are not in the vocabulary: the data's ids are checked once at the start, so these
+  come from a file changed under the run (the loss of a label outside the vocabulary is garbage, not an error)."""
+  return jnp.sum((tokens_BS1 < 0) | (tokens_BS1 >= model_config.vocab_size))
+
+
 def make_train_step(graphdef, optimizer, schedule, model_config):
   """train_step(state, tokens_BS1) -> (state, metrics); jit it with the state donated."""
 
@@ -59,6 +69,7 @@ def make_train_step(graphdef, optimizer, schedule, model_config):
       params = optax.apply_updates(state.params, updates)
       metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
                      learning_rate=schedule(state.step), **parts)
+    metrics[BAD_IDS] = bad_token_ids(tokens_BS1, model_config)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step

@@ -95,9 +95,6 @@ class TokenizedText:
     tokens, documents = self.write_cache()
     print(f"{tokens} tokens in {documents} documents ({time.perf_counter() - start:.1f} s)", flush=True)
 
-  def tokens(self):
-    return np.memmap(self.cache, dtype=self.dtype, mode="r")
-
 
 def eos_id(tokenizer, eos_token, tokenizer_name):
   """The id of `eos_token` (a name or an id), or, when it is "", of the first of EOS_NAMES the tokenizer has."""
