@@ -17,6 +17,10 @@ REMAT_POLICIES = ("none", "attention", "layer", "offload")
 REMAT_AUTO = "auto"  # a run's request for the planner (`train.plan`), resolved before the model is built
 LOSS_CHUNK_AUTO = "auto"  # the trainer's choice (`train.loss_chunk`); elsewhere the default below
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # of the parameters and of the compute
+# Sizes of the architecture that are at least 1 (a 0 divides by zero or builds an empty model that trains).
+POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,17 @@ class Qwen3MoEConfig:
   param_dtype: str = "float32"  # how the parameters are stored (Hugging Face's torch_dtype)
 
   def __post_init__(self):
+    below = [f"{k}={getattr(self, k)}" for k in POSITIVE if getattr(self, k) < 1]
+    if below:
+      raise UserError(f"{', '.join(below)}: must be ≥ 1")
+    if self.shared_expert_intermediate_size < 0:
+      raise UserError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be ≥ 0 (0: none)")
+    beyond = [layer for layer in self.mlp_only_layers if not 0 <= layer < self.num_hidden_layers]
+    if beyond:
+      raise UserError(f"mlp_only_layers {beyond} are not layers of the {self.num_hidden_layers} (0 to "
+                      f"{self.num_hidden_layers - 1})")
+    if self.param_dtype not in FLOAT_DTYPES:
+      raise UserError(f"param_dtype={self.param_dtype!r} must be one of {list(FLOAT_DTYPES)}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise UserError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                       f"num_key_value_heads={self.num_key_value_heads}")
@@ -107,6 +122,8 @@ class RuntimeConfig:
                       f"{LOSS_CHUNK_AUTO!r}")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
       raise UserError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
+    if self.dtype not in FLOAT_DTYPES:
+      raise UserError(f"dtype={self.dtype!r} (the compute dtype) must be one of {list(FLOAT_DTYPES)}")
 
   def loss_chunk(self):
     """Tokens per device per chunk of the loss head (0: the plain loss), with "auto" not resolved: the default."""

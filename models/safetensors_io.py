@@ -14,9 +14,9 @@ from relaymoe_jax.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                       "BOOL": np.bool_}
+# Weights are floating point: an integer or bool tensor (a quantised or mislabelled checkpoint) is refused, never
+# cast to float weights.
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
 
@@ -64,7 +64,8 @@ class Checkpoint:
     if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
       return _read_raw(entry, index)
     if entry.dtype not in _SAFETENSORS_DTYPES:
-      raise UserError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
+      raise UserError(f"tensor {self.where(key)} has dtype {entry.dtype}; weights are read from floating point "
+                      f"tensors only ({', '.join(_SAFETENSORS_DTYPES)})")
     with safe_open(entry.file, framework="numpy") as f:
       return f.get_slice(key)[index]
 

@@ -106,7 +106,13 @@ def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
        f"relaymoe-convert: error: {tmp_path} is neither a relaymoe-convert output"),
       (convert.main, ["hf-to-orbax", str(tmp_path), str(tmp_path / "out"), "steps=3"],
        "relaymoe-convert: error: ['steps=3']: only model.KEY=VALUE and mesh.AXIS=N"),
+      (convert.main, ["orbax-to-hf", str(tmp_path / "stopped"), str(tmp_path / "out")],  # not "--resume: ..."
+       f"relaymoe-convert: error: no checkpoint in {tmp_path / 'stopped' / 'checkpoints'}\n"),
   ]
+  run_config = load_run_config("cpu", FROZEN)
+  (tmp_path / "stopped").mkdir()  # a run that stopped before its first checkpoint
+  (tmp_path / "stopped" / "run_config.json").write_text(json.dumps(dict(
+      run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config_for(run_config)))))
   for entry, argv, message in cases:
     with pytest.raises(SystemExit) as exit_info:
       entry(argv)

@@ -8,6 +8,7 @@ import pytest
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
+from models.qwen3_config import RuntimeConfig, load_config
 from relaymoe_jax.errors import UserError
 from train.cli import main
 import train.mesh
@@ -147,3 +148,29 @@ def test_the_cli_shows_a_bad_config_value_as_one_line(tmp_path, capsys, monkeypa
   stderr = capsys.readouterr().err
   assert exit_info.value.code == 2
   assert stderr == "relaymoe-train: error: num_experts_per_tok=0 must be in [1, num_experts=8]\n"
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_key_value_heads=0), "num_key_value_heads=0: must be ≥ 1"),
+    (dict(hidden_size=0, num_attention_heads=-2), "hidden_size=0, num_attention_heads=-2: must be ≥ 1"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step=0: must be ≥ 1"),
+    (dict(num_hidden_layers=0), "num_hidden_layers=0: must be ≥ 1"),
+    (dict(mlp_only_layers=(1, 2)), r"mlp_only_layers \[2\] are not layers of the 2 \(0 to 1\)"),
+    (dict(param_dtype="int8"), r"param_dtype='int8' must be one of \['float32', 'bfloat16', 'float16'\]"),
+    (dict(shared_expert_intermediate_size=-1), "shared_expert_intermediate_size=-1 must be ≥ 0"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else "")
+def test_model_config_values_that_cannot_work_are_named(change, message):
+  with pytest.raises(UserError, match=f"^{message}"):
+    load_config("tiny", **change)
+
+
+def test_a_compute_dtype_that_is_not_floating_point_is_named():
+  with pytest.raises(UserError, match=r"^dtype='int32' \(the compute dtype\) must be one of"):
+    RuntimeConfig(dtype="int32")
+
+
+def test_no_emulated_cpu_devices_is_one_line(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--cpu-devices", "0", "--config", "cpu"])
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == "relaymoe-train: error: --cpu-devices 0: must be ≥ 1\n"

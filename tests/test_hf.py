@@ -273,7 +273,10 @@ KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
      r"unexpected tensor 'model.layers.9.mlp.gate.weight' \(in model.safetensors\)"),
     (lambda t: dict(t, **{KEY: t[KEY][:, :-1]}), rf"tensor '{KEY}' \(in model.safetensors\) has shape \[16, 31\]; "
                                                  r"the config needs \[16, 32\]"),
-], ids=["missing", "unexpected", "shape"])
+    (lambda t: dict(t, **{KEY: t[KEY].astype(np.int32)}), rf"tensor '{KEY}' \(in model.safetensors\) has dtype I32; "
+                                                           "weights are read from floating point tensors only"),
+    (lambda t: dict(t, **{KEY: t[KEY] > 0}), rf"tensor '{KEY}' \(in model.safetensors\) has dtype BOOL"),
+], ids=["missing", "unexpected", "shape", "integer", "bool"])
 def test_bad_checkpoint_names_the_tensor(edit, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     _from_hf(_rewrite("qwen3_moe", tmp_path, edit))

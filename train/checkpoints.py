@@ -88,7 +88,7 @@ class Checkpoints:
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
-      raise MissingInput(f"--resume: no checkpoint in {self.directory}")
+      raise MissingInput(f"no checkpoint in {self.directory}")
     if step is not None:
       if step not in steps:
         raise MissingInput(f"no checkpoint of step {step} in {self.directory}; there are {sorted(steps)}")

@@ -24,6 +24,7 @@ import sys
 
 import jax
 
+from relaymoe_jax.errors import UserError
 from train import plan_search
 from train.compile import memory_plan
 from train.config import load_run_config
@@ -76,6 +77,8 @@ def main(argv=None):
 
 def _start(args, overrides):
   """JAX started (emulated CPU devices, distributed), and the run config with `overrides` applied."""
+  if args.cpu_devices < 1:  # XLA would abort the process
+    raise UserError(f"--cpu-devices {args.cpu_devices}: must be ≥ 1")
   # Only the CPU platform reads this; on GPUs it changes nothing. XLA reads it when JAX's backends start (at the
   # first device query, not at import): nothing before this line may ask for a device.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
