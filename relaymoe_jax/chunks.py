@@ -53,8 +53,9 @@ def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
 
 def check_ladder(chunk_rows):
   """A dispatcher's `chunk_rows` (an int, laddered by `chunk_ladder`, or a descending tuple) as a ladder."""
-  ladder = (chunk_rows,) if isinstance(chunk_rows, int) else tuple(chunk_rows)
-  if not ladder or any(not isinstance(r, int) or r < 1 for r in ladder) or list(ladder) != sorted(ladder)[::-1]:
+  ladder = tuple(chunk_rows) if isinstance(chunk_rows, (tuple, list)) else (chunk_rows,)
+  if (not ladder or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in ladder)
+      or list(ladder) != sorted(ladder)[::-1]):
     raise UserError(f"chunk_rows={chunk_rows!r} must be a positive int or a descending tuple of positive ints")
   return chunk_ladder(ladder[0]) if isinstance(chunk_rows, int) else ladder
 

@@ -44,6 +44,7 @@ BAD = [
     ("bad capacity", {}, dict(dispatcher="all_to_all", capacity_factor=0.0), "capacity_factor=0.0"),
     ("bad backend", {}, dict(dispatcher="ring_expert", backend="cutlass"), "backend 'cutlass'"),
     ("zero chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=0), "chunk_rows=0"),
+    ("fractional chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=3.5), "chunk_rows=3.5 must be a positive"),
     ("ascending ladder", {}, dict(dispatcher="ring_token", chunk_rows=(4, 16)), "descending tuple"),
     ("small row cap", {}, dict(dispatcher="ring_expert", max_chunk_rows=64), "max_chunk_rows=64 must be an int of "
                                                                           "at least 128"),

@@ -19,7 +19,7 @@ import pytest
 
 from relaymoe_jax import mosaic_gpu
 from relaymoe_jax.errors import UserError
-from train import cli, loop, plan as planning, remat_auto
+from train import cli, loop, plan as planning, plan_search, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
@@ -306,6 +306,17 @@ def test_a_damaged_cached_plan_is_named_never_copied_and_replaced_by_a_new_plan(
     assert plan_from_dict(json.loads(where.read_text())["plan"], 2) == plan
 
 
+def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_path, capsys, monkeypatch):
+  """So a read-only cache that holds the plan gives no warning that the plan was not cached."""
+  config = _auto(tmp_path)
+  cached = cached_plan_path(config, _key(config))
+  store_plan(cached, _key(config), plan_from_dict(STORED, 2))
+  written = []
+  monkeypatch.setattr(remat_auto, "store_plan", lambda path, key, plan: written.append(path))
+  assert remat_auto.resolve_remat(config)[1].remat == ("layer", "none")
+  assert written == [tmp_path / "run" / "remat_plan.json"] and "warning" not in capsys.readouterr().out
+
+
 def test_a_run_directory_plan_record_that_is_a_directory_is_one_line(fake_planner, tmp_path, capsys):
   config = _auto(tmp_path)
   (tmp_path / "run" / "remat_plan.json").mkdir(parents=True)
@@ -389,6 +400,20 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
   assert exit_info.value.code == 2
   assert stderr.startswith("relaymoe-train: error: the train step needs ") and stderr.count("\n") == 1, stderr
   assert "With runtime.remat=auto it fits" in stderr
+
+
+def test_relaymoe_plan_refuses_a_bad_variant_or_out_before_any_compile(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  monkeypatch.setattr(plan_search, "make_planner", lambda *args, **kwargs: pytest.fail("planned"))
+  (tmp_path / "file").write_text("")
+  for argv, message in ((["--variants", "ring,bogus"], "unknown variant 'bogus'; known: "),
+                        (["--out", str(tmp_path / "file" / "sub")], f"--out {tmp_path / 'file' / 'sub'}: cannot "
+                                                                    "write plan.json there (")):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.plan_main(["--config", "cpu", "--out", str(tmp_path / "out"), *OVERRIDES, *argv])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.startswith(f"relaymoe-plan: error: {message}"), stderr
+    assert stderr.count("\n") == 1
 
 
 def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):

@@ -179,14 +179,18 @@ def _plan(args):
 
   devices = plan_search.topology_devices(args.topology, args.target_config) if args.topology else None
   quiet = jax.process_index() != 0
+  path = pathlib.Path(config.out_dir) / "plan.json"
+  if not quiet:
+    try:  # before the search, which may take minutes
+      path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+      raise UserError(f"--out {path.parent}: cannot write plan.json there ({err.strerror or err})") from None
   results = plan_search.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
                         devices=devices, log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
   table = plan_search.render(results)
   print(table)
-  path = pathlib.Path(config.out_dir) / "plan.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(dict(
       config=args.config, overrides=args.overrides, maximize=args.maximize, topology=args.topology,
       devices=len(devices) if devices else jax.device_count(), backend=jax.default_backend(),

@@ -47,8 +47,8 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
   shards = batch_shards(mesh, run_config.runtime)
   if run_config.runtime.context_parallel:  # a sequence splits into 2 × expert chunks
     granule = math.lcm(granule or 1024, 2 * mesh.shape[EXPERT])
-  for name in variants:
-    config = variant_config(run_config, name)
+  configs = {name: variant_config(run_config, name) for name in variants}  # every name checked before a compile
+  for name, config in configs.items():
     log(f"{name} ({config.runtime.dispatcher}):")
     if maximize == "seq":
       planner = make_planner(dataclasses.replace(config, batch_size=shards), log, devices)

@@ -40,7 +40,7 @@ def resolve_remat(run_config, resume=False):
     if plan:
       log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                        f"{size(plan.budget_bytes)}), planned before for this configuration ({where})")
-      _record(plan, key, path, cached)
+      _record(plan, key, path, None if where == cached else cached)  # a read-only cache that holds it is fine
       return apply_plan(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
