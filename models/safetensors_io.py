@@ -78,12 +78,20 @@ def export_files(directory):
 
 
 def _read_header(file):
+  """The entries of a safetensors file's header; a file cut short (a copy or download that stopped) is named."""
   with open(file, "rb") as f:
     size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
-  header.pop("__metadata__", None)
-  return {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
-          for key, h in header.items()}
+    try:
+      header = json.loads(f.read(size))
+      header.pop("__metadata__", None)
+      entries = {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
+                 for key, h in header.items()}
+      end = 8 + size + max((h["data_offsets"][1] for h in header.values()), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+      raise UserError(f"{file} is not a safetensors file (its header does not read): cut short?") from None
+  if file.stat().st_size < end:
+    raise UserError(f"{file} is cut short: {file.stat().st_size} bytes, its header needs {end}")
+  return entries
 
 
 def _read_raw(entry, index):

@@ -5,6 +5,7 @@ compares live with transformers (torch and transformers installed)."""
 
 import functools
 import json
+import os
 import pathlib
 import shutil
 
@@ -280,6 +281,18 @@ KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
 def test_bad_checkpoint_names_the_tensor(edit, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     _from_hf(_rewrite("qwen3_moe", tmp_path, edit))
+
+
+def test_a_safetensors_file_cut_short_is_named(tmp_path):
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path)
+  file = tmp_path / "model.safetensors"
+  size = file.stat().st_size
+  os.truncate(file, size - 100)
+  with pytest.raises(UserError, match=f"^{file} is cut short: {size - 100} bytes, its header needs {size}$"):
+    _from_hf(tmp_path)
+  os.truncate(file, 100)
+  with pytest.raises(UserError, match=f"^{file} is not a safetensors file \\(its header does not read\\)"):
+    _from_hf(tmp_path)
 
 
 def test_index_naming_an_absent_file_is_named(tmp_path):

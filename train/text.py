@@ -92,7 +92,12 @@ class TokenizedText:
       return
     print(f"tokenizing {self.input} with {self.config.tokenizer} into {self.cache}", flush=True)
     start = time.perf_counter()
-    tokens, documents = self.write_cache()
+    try:
+      tokens, documents = self.write_cache()
+    except OSError as err:  # a read-only directory, a full disk
+      where = "data.cache_dir" if self.config.cache_dir else "the input's directory (set data.cache_dir for another)"
+      raise UserError(f"cannot write the tokenised cache {self.cache} in {where}: "
+                      f"{err.strerror or err}") from None
     print(f"{tokens} tokens in {documents} documents ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
