@@ -80,8 +80,6 @@ class TokenizedText:
       if not tokens:
         raise UserError(f"data.path {str(self.input)!r} holds no documents")
       os.replace(partial, self.cache)
-    except UnicodeDecodeError as err:
-      raise UserError(f"data.path {str(self.input)!r} is not UTF-8: {err}") from None
     finally:
       partial.unlink(missing_ok=True)
     return tokens, documents
@@ -118,30 +116,41 @@ def eos_id(tokenizer, eos_token, tokenizer_name):
                   "set data.eos_token to the name or id of the token to write after each document")
 
 
-def jsonl_documents(path, field):
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
+def utf8_lines(path):
+  """(line number, line) of a UTF-8 file; a byte that is not UTF-8 is named by its line and its byte in the file."""
+  offset = 0
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
       try:
-        record = json.loads(line)
-      except json.JSONDecodeError as err:
-        raise UserError(f"{path}, line {number}: not JSON ({err})") from None
-      text = record.get(field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        raise UserError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
-      yield text
+        yield number, raw.decode("utf-8").replace("\r\n", "\n")
+      except UnicodeDecodeError as err:
+        raise UserError(f"data.path {str(path)!r}, line {number}, byte {offset + err.start}: not UTF-8 "
+                        f"({err.reason})") from None
+      offset += len(raw)
+
+
+def jsonl_documents(path, field):
+  for number, line in utf8_lines(path):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as err:
+      raise UserError(f"{path}, line {number}: not JSON ({err})") from None
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+      raise UserError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
+    yield text
 
 
 def text_documents(path, separator):
   lines = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      if line.strip() == separator:
-        yield "".join(lines).strip("\n")
-        lines = []
-      else:
-        lines.append(line)
+  for _, line in utf8_lines(path):
+    if line.strip() == separator:
+      yield "".join(lines).strip("\n")
+      lines = []
+    else:
+      lines.append(line)
   yield "".join(lines).strip("\n")
 
 
