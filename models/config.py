@@ -7,6 +7,8 @@ import typing
 
 import yaml
 
+from relaymoe_jax.errors import UserError
+
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -15,11 +17,11 @@ def from_mapping(cls, data, where="", prefix=""):
   recursively; an unknown key or a value of the wrong type is named (`prefix` + key) in a ValueError."""
   where = where or cls.__name__
   if not isinstance(data, dict):
-    raise ValueError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}")
+    raise UserError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}")
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(data) - set(fields))
   if unknown:
-    raise ValueError(f"{where}: unknown key(s) {[prefix + k for k in unknown]}; known keys: {sorted(fields)}")
+    raise UserError(f"{where}: unknown key(s) {[prefix + k for k in unknown]}; known keys: {sorted(fields)}")
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for key, value in data.items():
@@ -30,7 +32,7 @@ def from_mapping(cls, data, where="", prefix=""):
     try:
       kwargs[key] = coerce(value, hint)
     except TypeError:
-      raise ValueError(f"{where}: {prefix}{key}={value!r} is not {describe(hint)}") from None
+      raise UserError(f"{where}: {prefix}{key}={value!r} is not {describe(hint)}") from None
   return cls(**kwargs)
 
 
@@ -140,10 +142,10 @@ def override(config, assignments):
     node, keys = data, path.split(".")
     for key in keys[:-1]:
       if not isinstance(node.get(key), dict):
-        raise ValueError(f"override {assignment!r}: {key!r} is not a config section")
+        raise UserError(f"override {assignment!r}: {key!r} is not a config section")
       node = node[key]
     if keys[-1] not in node:
-      raise ValueError(f"override {assignment!r}: unknown key {path!r}")
+      raise UserError(f"override {assignment!r}: unknown key {path!r}")
     node[keys[-1]] = value
   return from_mapping(type(config), data, "override")
 
@@ -151,12 +153,12 @@ def override(config, assignments):
 def parse_assignment(assignment):
   """'a.b=value' → ('a.b', value parsed as YAML)."""
   if "=" not in assignment:
-    raise ValueError(f"override {assignment!r} is not of the form key=value")
+    raise UserError(f"override {assignment!r} is not of the form key=value")
   key, raw = assignment.split("=", 1)
   try:
     return key, yaml.safe_load(raw)
   except yaml.YAMLError as err:
-    raise ValueError(f"override {assignment!r}: the value is not YAML ({_yaml_problem(err)})") from None
+    raise UserError(f"override {assignment!r}: the value is not YAML ({_yaml_problem(err)})") from None
 
 
 def read_yaml(path_or_name, subdir):
@@ -166,15 +168,15 @@ def read_yaml(path_or_name, subdir):
     path = CONFIG_DIR / subdir / f"{path_or_name}.yaml"
   if not path.exists():
     known = sorted(p.stem for p in (CONFIG_DIR / subdir).glob("*.yaml"))
-    raise ValueError(f"no config {str(path_or_name)!r}; known {subdir} configs: {known}")
+    raise UserError(f"no config {str(path_or_name)!r}; known {subdir} configs: {known}")
   if not path.is_file():
-    raise ValueError(f"config {str(path)!r} is not a file")
+    raise UserError(f"config {str(path)!r} is not a file")
   try:
     return yaml.safe_load(path.read_text()) or {}
   except yaml.YAMLError as err:
-    raise ValueError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+    raise UserError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
   except UnicodeDecodeError:
-    raise ValueError(f"{path} is not a text file (not UTF-8)") from None
+    raise UserError(f"{path} is not a text file (not UTF-8)") from None
 
 
 def _yaml_problem(err):

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.errors import UserError
 
 DEFAULT_TILE = 512  # rows of a query or key tile: a tile's float32 scores are heads × 512 × 512 × 4 bytes
 MIN_TILE = 64  # below this a long sequence's tile loop is all overhead
@@ -43,13 +44,13 @@ def splits_sequences(runtime, mesh):
 def check_sequence(seq_len, ring):
   """Raises ValueError unless `seq_len` splits into 2 × `ring` equal chunks whose tiles are not tiny."""
   if seq_len % (2 * ring):
-    raise ValueError(f"context parallelism over {EXPERT}={ring} cuts each sequence into {2 * ring} chunks: "
-                     f"seq_len={seq_len} is not a multiple of {2 * ring}")
+    raise UserError(f"context parallelism over {EXPERT}={ring} cuts each sequence into {2 * ring} chunks: "
+                    f"seq_len={seq_len} is not a multiple of {2 * ring}")
   chunk = seq_len // (2 * ring)
   if tile_rows(chunk) < min(chunk, MIN_TILE):
-    raise ValueError(f"context parallelism over {EXPERT}={ring}: seq_len={seq_len} gives chunks of {chunk} tokens, "
-                     f"whose attention tiles would be {tile_rows(chunk)} rows; use a multiple of "
-                     f"{2 * ring * MIN_TILE}")
+    raise UserError(f"context parallelism over {EXPERT}={ring}: seq_len={seq_len} gives chunks of {chunk} tokens, "
+                    f"whose attention tiles would be {tile_rows(chunk)} rows; use a multiple of "
+                    f"{2 * ring * MIN_TILE}")
 
 
 def balanced_order(seq_len, ring):

@@ -17,6 +17,7 @@ import logging
 import jax.numpy as jnp
 
 from models.context_parallel import XLA_TILES, TileKernels
+from relaymoe_jax.errors import UserError
 
 try:
   from jax._src.cudnn import fused_attention_stablehlo as _cudnn
@@ -72,7 +73,7 @@ def tile_kernels(implementation, platform, dtype):
   if reason is None:
     return CUDNN_TILES
   if implementation == "cudnn":
-    raise ValueError(f"attention_implementation='cudnn' under context parallelism: {reason}")
+    raise UserError(f"attention_implementation='cudnn' under context parallelism: {reason}")
   if platform == "gpu":
     _log_fallback(reason)
   return XLA_TILES

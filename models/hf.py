@@ -28,7 +28,8 @@ from models import qwen3
 from models.hf_config import config_from_hf, config_to_hf
 from models.qwen3_config import RuntimeConfig, layer_groups
 from models.router_state import BIAS
-from models.safetensors_io import INDEX_FILE, Checkpoint
+from models.safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, export_files
+from relaymoe_jax.errors import UserError
 
 MAX_SHARD_BYTES = 5 * 2 ** 30  # to_hf's default largest safetensors file
 
@@ -197,18 +198,18 @@ def _check_tensors(config, checkpoint, params, shapes):
       expected.update(hf_shapes(source, per_layer, config.num_experts))
   missing = sorted(set(expected) - set(checkpoint.entries))
   if missing:
-    raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
-                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
+    raise UserError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing: "
+                    f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
   # A tied model's checkpoint may still hold lm_head.weight (a copy of the embeddings): transformers ignores it too.
   ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
   unexpected = sorted(set(checkpoint.entries) - set(expected) - ignored)
   if unexpected:
-    raise ValueError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
-                     f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
+    raise UserError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
+                    f"({len(unexpected)} unexpected: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
   for key, shape in expected.items():
     if checkpoint.entries[key].shape != shape:
-      raise ValueError(f"tensor {checkpoint.where(key)} has shape {list(checkpoint.entries[key].shape)}; "
-                       f"the config needs {list(shape)}")
+      raise UserError(f"tensor {checkpoint.where(key)} has shape {list(checkpoint.entries[key].shape)}; "
+                      f"the config needs {list(shape)}")
 
 
 def _reader(checkpoint, param, shape, dtype):
@@ -336,8 +337,8 @@ class _ShardWriter:
   def finish(self):
     self.flush()
     if len(self.parts) == 1:
-      os.replace(self.parts[0][0], self.out_dir / "model.safetensors")
-      return ["model.safetensors"]
+      os.replace(self.parts[0][0], self.out_dir / SINGLE_FILE)
+      return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(self.parts):05d}.safetensors" for i in range(len(self.parts))]
     for (part, keys), name in zip(self.parts, names):
       os.replace(part, self.out_dir / name)
@@ -347,13 +348,14 @@ class _ShardWriter:
     return names
 
 
-def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
+def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None, overwrite=False):
   """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
   `config.json` (qwen3_moe or qwen2_moe, as the config implies: `config_to_hf`) and `model.safetensors`, or
   several files of at most `max_shard_bytes` each plus `model.safetensors.index.json`, experts per expert, in
   `dtype` ("bfloat16", "float16", "float32"; default the param dtype). Parameters are gathered to the host one at
-  a time (stacked ones one layer at a time); process 0 writes.
+  a time (stacked ones one layer at a time); process 0 writes. An earlier export in `out_dir` is refused, or with
+  `overwrite` its files (and only those: `check_export_target`) are removed first.
 
   Returns:
     the names of the safetensors files written.
@@ -361,7 +363,7 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
   config = model.config
   out_dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
   if out_dtype.name not in ("float32", "float16", "bfloat16"):
-    raise ValueError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
+    raise UserError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
   hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   if config.router_bias_update_rate:
@@ -370,9 +372,12 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
         " e_score_correction_bias is one); transformers will route without it", hf_config["model_type"])
   params = param_sources(config, model.runtime, flat)
   out_dir = pathlib.Path(out_dir)
+  stale = check_export_target(out_dir, overwrite)
   writer = _ShardWriter(out_dir, max_shard_bytes) if jax.process_index() == 0 else None
   if writer:
     out_dir.mkdir(parents=True, exist_ok=True)
+    for file in stale:  # else a reader could take an old index's shards for the new export
+      file.unlink()
   for path, param in params.items():
     for source, array in _layers_of(param, flat[path]):
       for key, tensor in hf_tensors(source, array).items():
@@ -382,3 +387,13 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None):
     return []
   (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   return writer.finish()
+
+
+def check_export_target(out_dir, overwrite):
+  """The files of an earlier export in `out_dir` (to remove when `overwrite`); refused without it."""
+  stale = export_files(out_dir)
+  if stale and not overwrite:
+    names = ", ".join(f.name for f in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+    raise UserError(f"{out_dir} holds an earlier export ({names}): choose another directory or overwrite it "
+                    "(relaymoe-convert orbax-to-hf --overwrite; to_hf(overwrite=True))")
+  return stale

@@ -6,6 +6,7 @@ import pathlib
 
 from models.config import from_mapping
 from models.qwen3_config import Qwen3MoEConfig
+from relaymoe_jax.errors import UserError
 
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # Hugging Face config defaults where a config.json leaves a key out (both families share them).
@@ -32,12 +33,12 @@ def config_from_hf(hf_dir, **overrides) -> Qwen3MoEConfig:
   try:
     hf = json.loads(path.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as err:
-    raise ValueError(f"{path} is not valid JSON ({err})") from None
+    raise UserError(f"{path} is not valid JSON ({err})") from None
   if not isinstance(hf, dict):
-    raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
+    raise UserError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
-    raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
+    raise UserError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
   _check_supported(hf, path)
 
   def get(key):
@@ -47,7 +48,7 @@ def config_from_hf(hf_dir, **overrides) -> Qwen3MoEConfig:
   if hf.get("num_experts", hf.get("num_local_experts")) is None:
     missing.append("num_experts")
   if missing:
-    raise ValueError(f"{path}: missing key(s) {missing}")
+    raise UserError(f"{path}: missing key(s) {missing}")
   heads = hf["num_attention_heads"]
   fields = dict(
       vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
@@ -67,15 +68,15 @@ def config_from_hf(hf_dir, **overrides) -> Qwen3MoEConfig:
 
 def _check_supported(hf, path):
   if hf.get("use_sliding_window"):
-    raise ValueError(f"{path}: use_sliding_window=true is not supported (full causal attention only)")
+    raise UserError(f"{path}: use_sliding_window=true is not supported (full causal attention only)")
   if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not supported (SiLU only)")
+    raise UserError(f"{path}: hidden_act={hf['hidden_act']!r} is not supported (SiLU only)")
   if hf["model_type"] == "qwen3_moe" and hf.get("attention_bias"):
-    raise ValueError(f"{path}: attention_bias=true is not supported for qwen3_moe (it adds an o_proj bias)")
+    raise UserError(f"{path}: attention_bias=true is not supported for qwen3_moe (it adds an o_proj bias)")
   rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
   kind = rope.get("rope_type", rope.get("type", "default"))
   if kind != "default":
-    raise ValueError(f"{path}: RoPE scaling {kind!r} is not supported (default RoPE only)")
+    raise UserError(f"{path}: RoPE scaling {kind!r} is not supported (default RoPE only)")
 
 
 def _rope_theta(hf):
@@ -92,9 +93,9 @@ def config_to_hf(config) -> dict:
   qwen2 = not c.qk_norm and c.shared_expert_intermediate_size > 0
   qwen3_ = c.qk_norm and not c.shared_expert_intermediate_size and not c.attention_bias
   if not (qwen2 or qwen3_):
-    raise ValueError(f"no Hugging Face family holds qk_norm={c.qk_norm}, attention_bias={c.attention_bias}, "
-                     f"shared_expert_intermediate_size={c.shared_expert_intermediate_size}: qwen3_moe has q/k norm "
-                     "and neither biases nor a shared expert; qwen2_moe has a shared expert and no q/k norm")
+    raise UserError(f"no Hugging Face family holds qk_norm={c.qk_norm}, attention_bias={c.attention_bias}, "
+                    f"shared_expert_intermediate_size={c.shared_expert_intermediate_size}: qwen3_moe has q/k norm "
+                    "and neither biases nor a shared expert; qwen2_moe has a shared expert and no q/k norm")
   model_type = "qwen2_moe" if qwen2 else "qwen3_moe"
   out = dict(
       architectures=[FAMILIES[model_type]], model_type=model_type, vocab_size=c.vocab_size,

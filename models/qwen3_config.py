@@ -6,6 +6,7 @@ import dataclasses
 
 import relaymoe_jax as rm
 from models.config import from_mapping, read_yaml
+from relaymoe_jax.errors import UserError
 
 # What a layer's backward recomputes, from the most memory to the least:
 #   none       every activation the layer's backward needs is kept from the forward;
@@ -16,6 +17,10 @@ REMAT_POLICIES = ("none", "attention", "layer", "offload")
 REMAT_AUTO = "auto"  # a run's request for the planner (`train.plan`), resolved before the model is built
 LOSS_CHUNK_AUTO = "auto"  # the trainer's choice (`train.loss_chunk`); elsewhere the default below
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # of the parameters and of the compute
+# Sizes of the architecture that are at least 1 (a 0 divides by zero or builds an empty model that trains).
+POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,16 +55,27 @@ class Qwen3MoEConfig:
   param_dtype: str = "float32"  # how the parameters are stored (Hugging Face's torch_dtype)
 
   def __post_init__(self):
+    below = [f"{k}={getattr(self, k)}" for k in POSITIVE if getattr(self, k) < 1]
+    if below:
+      raise UserError(f"{', '.join(below)}: must be ≥ 1")
+    if self.shared_expert_intermediate_size < 0:
+      raise UserError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be ≥ 0 (0: none)")
+    beyond = [layer for layer in self.mlp_only_layers if not 0 <= layer < self.num_hidden_layers]
+    if beyond:
+      raise UserError(f"mlp_only_layers {beyond} are not layers of the {self.num_hidden_layers} (0 to "
+                      f"{self.num_hidden_layers - 1})")
+    if self.param_dtype not in FLOAT_DTYPES:
+      raise UserError(f"param_dtype={self.param_dtype!r} must be one of {list(FLOAT_DTYPES)}")
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                       f"num_key_value_heads={self.num_key_value_heads}")
+      raise UserError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                      f"num_key_value_heads={self.num_key_value_heads}")
     if not 1 <= self.num_experts_per_tok <= self.num_experts:
-      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
-                       f"{self.num_experts}]")
+      raise UserError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                      f"{self.num_experts}]")
     if not self.router_bias_update_rate >= 0:  # NaN fails too
-      raise ValueError(f"router_bias_update_rate={self.router_bias_update_rate} must be ≥ 0 (0: off)")
+      raise UserError(f"router_bias_update_rate={self.router_bias_update_rate} must be ≥ 0 (0: off)")
     if self.head_dim % 2:
-      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+      raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
 
   def is_sparse(self, layer):
     return (layer not in self.mlp_only_layers and self.num_experts > 0
@@ -99,18 +115,20 @@ class RuntimeConfig:
   def __post_init__(self):
     object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
     if self.dispatcher not in rm.DISPATCHERS:
-      raise ValueError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
+      raise UserError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
     policies = self.remat if isinstance(self.remat, tuple) else (self.remat,)
     unknown = sorted(set(policies) - set(REMAT_POLICIES) - ({REMAT_AUTO} if self.remat == REMAT_AUTO else set()))
     if unknown:
-      raise ValueError(f"remat {unknown} unknown; each layer's is one of {list(REMAT_POLICIES)} (or auto for "
-                       "every layer)")
+      raise UserError(f"remat {unknown} unknown; each layer's is one of {list(REMAT_POLICIES)} (or auto for "
+                      "every layer)")
     if self.loss_chunk_tokens != LOSS_CHUNK_AUTO and not (isinstance(self.loss_chunk_tokens, int)
                                                           and self.loss_chunk_tokens >= 0):
-      raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer ≥ 0 (0: full logits) or "
-                       f"{LOSS_CHUNK_AUTO!r}")
+      raise UserError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer ≥ 0 (0: full logits) or "
+                      f"{LOSS_CHUNK_AUTO!r}")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
-      raise ValueError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
+      raise UserError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
+    if self.dtype not in FLOAT_DTYPES:
+      raise UserError(f"dtype={self.dtype!r} (the compute dtype) must be one of {list(FLOAT_DTYPES)}")
 
   def loss_chunk(self):
     """Tokens per device per chunk of the loss head (0: the plain loss), with "auto" not resolved: the default."""
@@ -124,7 +142,7 @@ class RuntimeConfig:
     if self.remat == REMAT_AUTO:
       raise ValueError("remat=auto is resolved by the planner (`train.plan.resolve_remat`) before a model is built")
     if isinstance(self.remat, tuple) and len(self.remat) != config.num_hidden_layers:
-      raise ValueError(f"remat has {len(self.remat)} entries for {config.num_hidden_layers} layers")
+      raise UserError(f"remat has {len(self.remat)} entries for {config.num_hidden_layers} layers")
 
 
 RUNTIME_FIELDS = frozenset(f.name for f in dataclasses.fields(RuntimeConfig))
@@ -159,6 +177,6 @@ def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:
   data = dict(read_yaml(path_or_name, "models"), **overrides)
   runtime_keys = sorted(RUNTIME_FIELDS & set(data))
   if runtime_keys:
-    raise ValueError(f"model config {path_or_name}: {runtime_keys} say how the model runs, not what it is: set "
-                     f"them as runtime.KEY (the run config's `runtime` section or a `runtime.KEY=VALUE` override)")
+    raise UserError(f"model config {path_or_name}: {runtime_keys} say how the model runs, not what it is: set "
+                    f"them as runtime.KEY (the run config's `runtime` section or a `runtime.KEY=VALUE` override)")
   return from_mapping(Qwen3MoEConfig, data, f"model config {path_or_name}")

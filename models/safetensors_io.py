@@ -10,10 +10,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from relaymoe_jax.errors import UserError
+
 INDEX_FILE = "model.safetensors.index.json"
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                       "BOOL": np.bool_}
+SINGLE_FILE = "model.safetensors"
+# Weights are floating point: an integer or bool tensor (a quantised or mislabelled checkpoint) is refused, never
+# cast to float weights.
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
 
@@ -37,16 +40,19 @@ class Checkpoint:
       files = sorted({hf_dir / f for f in weight_map.values()})
       absent = [str(f) for f in files if not f.exists()]
       if absent:
-        raise ValueError(f"{index} names file(s) that do not exist: {absent}")
+        raise UserError(f"{index} names file(s) that do not exist: {absent}")
+      if (hf_dir / SINGLE_FILE).exists() and SINGLE_FILE not in weight_map.values():
+        raise UserError(f"{hf_dir} holds {INDEX_FILE} and a {SINGLE_FILE} that it does not name: two exports "
+                        f"mixed (transformers reads {SINGLE_FILE}, the index other files); remove the stale one")
     else:
       files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
-      raise ValueError(f"{hf_dir}: no *.safetensors files")
+      raise UserError(f"{hf_dir}: no *.safetensors files")
     self.entries = {}
     for file in files:
       for key, entry in _read_header(file).items():
         if key in self.entries:
-          raise ValueError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
+          raise UserError(f"tensor {key!r} is in both {self.entries[key].file} and {file}")
         self.entries[key] = entry
 
   def where(self, key):
@@ -58,18 +64,34 @@ class Checkpoint:
     if entry.dtype == "BF16":  # NumPy has no bfloat16, so safetensors' NumPy reader refuses it: read the bytes
       return _read_raw(entry, index)
     if entry.dtype not in _SAFETENSORS_DTYPES:
-      raise ValueError(f"tensor {self.where(key)} has dtype {entry.dtype}, which is not supported")
+      raise UserError(f"tensor {self.where(key)} has dtype {entry.dtype}; weights are read from floating point "
+                      f"tensors only ({', '.join(_SAFETENSORS_DTYPES)})")
     with safe_open(entry.file, framework="numpy") as f:
       return f.get_slice(key)[index]
 
 
+def export_files(directory):
+  """The files in `directory` that an export (`models.hf.to_hf`) writes: what an earlier export left there."""
+  directory = pathlib.Path(directory)
+  named = [directory / n for n in ("config.json", SINGLE_FILE, INDEX_FILE) if (directory / n).exists()]
+  return sorted(named + [*directory.glob("model-*-of-*.safetensors"), *directory.glob(".part-*.safetensors")])
+
+
 def _read_header(file):
+  """The entries of a safetensors file's header; a file cut short (a copy or download that stopped) is named."""
   with open(file, "rb") as f:
     size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
-  header.pop("__metadata__", None)
-  return {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
-          for key, h in header.items()}
+    try:
+      header = json.loads(f.read(size))
+      header.pop("__metadata__", None)
+      entries = {key: _Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
+                 for key, h in header.items()}
+      end = 8 + size + max((h["data_offsets"][1] for h in header.values()), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+      raise UserError(f"{file} is not a safetensors file (its header does not read): cut short?") from None
+  if file.stat().st_size < end:
+    raise UserError(f"{file} is cut short: {file.stat().st_size} bytes, its header needs {end}")
+  return entries
 
 
 def _read_raw(entry, index):

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
+from relaymoe_jax.errors import UserError
 
 MESH_AXES = (DATA, EXPERT, TENSOR)
 TOKEN_AXES = (DATA, EXPERT)
@@ -69,11 +70,11 @@ def model_mesh(mesh):
   """
   names = tuple(mesh.axis_names)
   if EXPERT not in names:
-    raise ValueError(f"the model needs a mesh with an {EXPERT!r} axis (where the MoE ring runs); got axes {names}")
+    raise UserError(f"the model needs a mesh with an {EXPERT!r} axis (where the MoE ring runs); got axes {names}")
   unknown = [a for a in names if a not in MESH_AXES]
   if unknown:
-    raise ValueError(f"mesh axes {unknown} are not the model's; it takes {list(MESH_AXES)} (data and tensor may be "
-                     "left out)")
+    raise UserError(f"mesh axes {unknown} are not the model's; it takes {list(MESH_AXES)} (data and tensor may be "
+                    "left out)")
   if names == MESH_AXES and all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   devices = np.transpose(mesh.devices, [names.index(a) for a in MESH_AXES if a in names])

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import gate_up
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_matmul import expert_swiglu, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
 
@@ -85,7 +86,7 @@ class AllToAll:
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     if self.capacity_factor is not None and not self.capacity_factor > 0:
-      raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None for dropless)")
+      raise UserError(f"capacity_factor={self.capacity_factor} must be positive (or None for dropless)")
     num_experts, top_k, n = w_gate_EDF.shape[0], idx_TK.shape[1], layout.ring_size
     slots = slots_per_destination(x_TD.shape[0] // layout.token_shards, top_k, num_experts // n, n,
                                   self.capacity_factor)

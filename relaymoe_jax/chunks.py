@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_matmul import ROW_ALIGN
 from relaymoe_jax.pair_plan import chunk_group_sizes
 
@@ -52,9 +53,10 @@ def default_chunk_rows(tokens_per_device, top_k, ring_size, row_cap=None):
 
 def check_ladder(chunk_rows):
   """A dispatcher's `chunk_rows` (an int, laddered by `chunk_ladder`, or a descending tuple) as a ladder."""
-  ladder = (chunk_rows,) if isinstance(chunk_rows, int) else tuple(chunk_rows)
-  if not ladder or any(not isinstance(r, int) or r < 1 for r in ladder) or list(ladder) != sorted(ladder)[::-1]:
-    raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int or a descending tuple of positive ints")
+  ladder = tuple(chunk_rows) if isinstance(chunk_rows, (tuple, list)) else (chunk_rows,)
+  if (not ladder or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in ladder)
+      or list(ladder) != sorted(ladder)[::-1]):
+    raise UserError(f"chunk_rows={chunk_rows!r} must be a positive int or a descending tuple of positive ints")
   return chunk_ladder(ladder[0]) if isinstance(chunk_rows, int) else ladder
 
 
@@ -63,10 +65,10 @@ def check_row_cap(chunk_rows, row_cap):
   if row_cap is None:
     return
   if not isinstance(row_cap, int) or isinstance(row_cap, bool) or row_cap < ROW_ALIGN:
-    raise ValueError(f"max_chunk_rows={row_cap!r} must be an int of at least {ROW_ALIGN}")
+    raise UserError(f"max_chunk_rows={row_cap!r} must be an int of at least {ROW_ALIGN}")
   if chunk_rows is not None:
-    raise ValueError(f"chunk_rows={chunk_rows!r} and max_chunk_rows={row_cap!r}: give one (chunk_rows fixes the "
-                     "sizes, max_chunk_rows caps the default ones)")
+    raise UserError(f"chunk_rows={chunk_rows!r} and max_chunk_rows={row_cap!r}: give one (chunk_rows fixes the "
+                    "sizes, max_chunk_rows caps the default ones)")
 
 
 class ChunkRows(NamedTuple):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relaymoe_jax import gate_up, mosaic_gpu
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_kernels import (GroupedKernels, GroupedMatmul, fill_past_groups, kernel_backend,
                                           kernel_swiglu, xla_ragged_dot)
 from relaymoe_jax.layout import vary_like, varying_axes
@@ -107,7 +108,7 @@ def resolve_backend(name, mesh=None):
   if name == "auto":
     return "mosaic_gpu" if _hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0]) else "xla"
   if name not in BACKENDS:
-    raise ValueError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
+    raise UserError(f"unknown grouped-matmul backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
   return name
 
 

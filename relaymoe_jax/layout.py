@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.errors import UserError
 
 
 def context_mesh():
@@ -29,7 +30,7 @@ def context_mesh():
   except ValueError:  # inside jit: JAX refuses the concrete mesh there
     mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    raise ValueError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):`")
+    raise UserError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):`")
   return mesh
 
 
@@ -45,20 +46,20 @@ class ExpertLayout:
   def __post_init__(self):
     names = tuple(self.mesh.axis_names)
     if self.expert_axis not in names:
-      raise ValueError(f"expert_axis {self.expert_axis!r} is not an axis of the mesh {names}")
+      raise UserError(f"expert_axis {self.expert_axis!r} is not an axis of the mesh {names}")
     if not self.token_axes:
       object.__setattr__(self, "token_axes", tuple(a for a in names if a != self.tensor_axis))
     for axis in self.token_axes:
       if axis not in names:
-        raise ValueError(f"token axis {axis!r} is not an axis of the mesh {names}")
+        raise UserError(f"token axis {axis!r} is not an axis of the mesh {names}")
     if self.expert_axis not in self.token_axes:
-      raise ValueError(f"expert_axis {self.expert_axis!r} must be one of the token axes {self.token_axes}")
+      raise UserError(f"expert_axis {self.expert_axis!r} must be one of the token axes {self.token_axes}")
     if self.tensor_axis is not None:
       if self.tensor_axis not in names:
-        raise ValueError(f"tensor_axis {self.tensor_axis!r} is not an axis of the mesh {names}")
+        raise UserError(f"tensor_axis {self.tensor_axis!r} is not an axis of the mesh {names}")
       if self.tensor_axis in self.token_axes:
-        raise ValueError(f"tensor_axis {self.tensor_axis!r} splits expert width and cannot also split tokens "
-                         f"(token axes {self.token_axes}); pass token_axes without it")
+        raise UserError(f"tensor_axis {self.tensor_axis!r} splits expert width and cannot also split tokens "
+                        f"(token axes {self.token_axes}); pass token_axes without it")
 
   @property
   def ring_size(self):

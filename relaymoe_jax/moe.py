@@ -17,6 +17,7 @@ from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense, dense_moe
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_matmul import matmul_precision, resolve_backend
 from relaymoe_jax.layout import ExpertLayout, context_mesh
 from relaymoe_jax.ring_expert import RingExpert
@@ -35,12 +36,12 @@ DISPATCHERS = {
 def make_dispatcher(name, **options):
   """A dispatcher instance from its registry name and its own options, each rejected by name if unknown."""
   if name not in DISPATCHERS:
-    raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(DISPATCHERS)}")
+    raise UserError(f"unknown dispatcher {name!r}; known: {sorted(DISPATCHERS)}")
   cls = DISPATCHERS[name]
   known = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(options) - known)
   if unknown:
-    raise ValueError(f"unknown option(s) {unknown} for dispatcher {name!r}; it takes {sorted(known)}")
+    raise UserError(f"unknown option(s) {unknown} for dispatcher {name!r}; it takes {sorted(known)}")
   return cls(**options)
 
 
@@ -48,30 +49,30 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   shapes = dict(x_TD=x_TD.shape, idx_TK=idx_TK.shape, w_TK=w_TK.shape, w_gate_EDF=w_gate_EDF.shape,
                 w_up_EDF=w_up_EDF.shape, w_down_EFD=w_down_EFD.shape)
   if x_TD.ndim != 2 or idx_TK.ndim != 2 or w_gate_EDF.ndim != 3:
-    raise ValueError(f"expected x_TD [T, D], idx_TK [T, K], w_gate_EDF [E, D, F]; got {shapes}")
+    raise UserError(f"expected x_TD [T, D], idx_TK [T, K], w_gate_EDF [E, D, F]; got {shapes}")
   (t, d), (e, _, f), k = x_TD.shape, w_gate_EDF.shape, idx_TK.shape[1]
   expected = dict(x_TD=(t, d), idx_TK=(t, k), w_TK=(t, k), w_gate_EDF=(e, d, f), w_up_EDF=(e, d, f),
                   w_down_EFD=(e, f, d))
   wrong = {name: shapes[name] for name in expected if tuple(shapes[name]) != expected[name]}
   if wrong:
-    raise ValueError(f"shape mismatch: {wrong}; expected {expected} from x_TD {x_TD.shape} and "
-                     f"w_gate_EDF {w_gate_EDF.shape}")
+    raise UserError(f"shape mismatch: {wrong}; expected {expected} from x_TD {x_TD.shape} and "
+                    f"w_gate_EDF {w_gate_EDF.shape}")
   if not 1 <= k <= e:
-    raise ValueError(f"top_k={k} (idx_TK.shape[1]) must be between 1 and the number of experts E={e}")
+    raise UserError(f"top_k={k} (idx_TK.shape[1]) must be between 1 and the number of experts E={e}")
   if not jnp.issubdtype(idx_TK.dtype, jnp.integer):
-    raise ValueError(f"idx_TK must hold integer expert ids; got dtype {idx_TK.dtype}")
+    raise UserError(f"idx_TK must hold integer expert ids; got dtype {idx_TK.dtype}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
-    raise ValueError(f"x_TD must be floating point; got dtype {x_TD.dtype}")
+    raise UserError(f"x_TD must be floating point; got dtype {x_TD.dtype}")
   dtypes = dict(w_TK=w_TK.dtype, w_gate_EDF=w_gate_EDF.dtype, w_up_EDF=w_up_EDF.dtype,
                 w_down_EFD=w_down_EFD.dtype)
   wrong_dtypes = {name: str(dt) for name, dt in dtypes.items() if dt != x_TD.dtype}
   if wrong_dtypes:
-    raise ValueError(f"dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
+    raise UserError(f"dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
   n = layout.ring_size
   if e % n:
-    raise ValueError(f"E={e} experts is not divisible by the size {n} of expert axis {layout.expert_axis!r}")
+    raise UserError(f"E={e} experts is not divisible by the size {n} of expert axis {layout.expert_axis!r}")
   if f % layout.tensor_size:
-    raise ValueError(f"F={f} is not divisible by the size {layout.tensor_size} of tensor axis {layout.tensor_axis!r}")
+    raise UserError(f"F={f} is not divisible by the size {layout.tensor_size} of tensor axis {layout.tensor_axis!r}")
   _check_expert_ids(idx_TK, e)
 
 
@@ -85,7 +86,7 @@ def _check_expert_ids(idx_TK, num_experts):
   if bad.size:
     t, k = bad[0]
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    raise ValueError(f"idx_TK[{t}, {k}] = {ids_TK[t, k]} is not an expert id in [0, {num_experts}){more}")
+    raise UserError(f"idx_TK[{t}, {k}] = {ids_TK[t, k]} is not an expert id in [0, {num_experts}){more}")
 
 
 class DispatchStats(NamedTuple):
@@ -200,7 +201,7 @@ def _dispatcher_for(layout, dispatcher, options):
   if isinstance(dispatcher, str):
     dispatcher = make_dispatcher(dispatcher, **options)
   elif options:
-    raise ValueError(f"options {sorted(options)} are given with a dispatcher instance; set them on the instance")
+    raise UserError(f"options {sorted(options)} are given with a dispatcher instance; set them on the instance")
   if isinstance(layout.mesh, AbstractMesh) and getattr(dispatcher, "backend", None) == "auto":
     # Inside jit the context gives only an abstract mesh, which names no device to choose a backend by.
     dispatcher = dataclasses.replace(dispatcher, backend=resolve_backend("auto"))
@@ -210,8 +211,8 @@ def _dispatcher_for(layout, dispatcher, options):
 def _check_ranks(x, idx, w):
   if x.ndim < 2 or idx.ndim != x.ndim or w.ndim != x.ndim or idx.shape[:-1] != x.shape[:-1] or \
       w.shape[:-1] != x.shape[:-1]:
-    raise ValueError(f"expected x_TD [..., D], idx_TK and w_TK [..., K] with x_TD's leading dims; got x_TD "
-                     f"{x.shape}, idx_TK {idx.shape}, w_TK {w.shape}")
+    raise UserError(f"expected x_TD [..., D], idx_TK and w_TK [..., K] with x_TD's leading dims; got x_TD "
+                    f"{x.shape}, idx_TK {idx.shape}, w_TK {w.shape}")
 
 
 def dense_swiglu(x_TD, w_gate_DF, w_up_DF, w_down_FD):
@@ -234,7 +235,7 @@ def shared_expert(x_TD, w_gate_DF, w_up_DF, w_down_FD, gate_D1=None):
 
 def _check_shared(x_TD, shared, gate_D1):
   if len(shared) != 3:
-    raise ValueError(f"shared must be (w_gate_DF, w_up_DF, w_down_FD); got {len(shared)} arrays")
+    raise UserError(f"shared must be (w_gate_DF, w_up_DF, w_down_FD); got {len(shared)} arrays")
   d = x_TD.shape[1]
   f = shared[0].shape[-1]
   expected = dict(w_gate_DF=(d, f), w_up_DF=(d, f), w_down_FD=(f, d))
@@ -243,7 +244,7 @@ def _check_shared(x_TD, shared, gate_D1):
     expected["shared_gate_D1"], arrays["shared_gate_D1"] = (d, 1), gate_D1
   wrong = {k: tuple(a.shape) for k, a in arrays.items() if tuple(a.shape) != expected[k]}
   if wrong:
-    raise ValueError(f"shared expert shape mismatch: {wrong}; expected {expected}")
+    raise UserError(f"shared expert shape mismatch: {wrong}; expected {expected}")
   wrong_dtypes = {k: str(a.dtype) for k, a in arrays.items() if a.dtype != x_TD.dtype}
   if wrong_dtypes:
-    raise ValueError(f"shared expert dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
+    raise UserError(f"shared expert dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")

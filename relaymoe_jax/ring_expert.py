@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import gate_up
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.hop import backward_pairs, forward_pairs, token_side, zero_pair_grads
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import PairPlan, make_pair_plan, partition_range
@@ -152,7 +153,7 @@ class RingExpert:
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
     if self.keep_gate_up and not self.recompute:
-      raise ValueError("keep_gate_up=True needs recompute=True (without it, plain autodiff keeps every intermediate)")
+      raise UserError("keep_gate_up=True needs recompute=True (without it, plain autodiff keeps every intermediate)")
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
                           recompute=self.recompute, row_cap=self.max_chunk_rows)
     keeps = _Keeps(last_weights=self.reverses_backward(layout.ring_size), gate_up=self.keep_gate_up)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_matmul import matmul_precision
 
 
@@ -63,12 +64,12 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True, bias_E=None):
     (idx_TK int32 expert ids [..., K], w_TK router weights [..., K] in x's dtype, RouterAux over every token).
   """
   if x_TD.ndim < 1 or router_DE.ndim != 2 or x_TD.shape[-1] != router_DE.shape[0]:
-    raise ValueError(f"route expects x_TD [..., D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
+    raise UserError(f"route expects x_TD [..., D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
-    raise ValueError(f"route expects floating-point x_TD; got dtype {x_TD.dtype}")
+    raise UserError(f"route expects floating-point x_TD; got dtype {x_TD.dtype}")
   num_experts = router_DE.shape[1]
   if not 1 <= top_k <= num_experts:
-    raise ValueError(f"top_k={top_k} must be between 1 and the number of experts E={num_experts}")
+    raise UserError(f"top_k={top_k} must be between 1 and the number of experts E={num_experts}")
   logits_TE = jnp.dot(x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32,
                       precision=matmul_precision(x_TD.dtype))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)

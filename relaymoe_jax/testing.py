@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.moe import moe_ffn
 
 MOE_ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
@@ -169,7 +170,7 @@ def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol,
       dtype or non-finite value.
   """
   if (block is None) == (dispatcher is None):
-    raise ValueError("give one of block= (your callable) and dispatcher= (moe_ffn's)")
+    raise UserError("give one of block= (your callable) and dispatcher= (moe_ffn's)")
   inputs = dict(x_TD=x_TD, idx_TK=idx_TK, w_TK=w_TK, w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF,
                 w_down_EFD=w_down_EFD)
   axes = dict(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis,

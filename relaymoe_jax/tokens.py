@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from relaymoe_jax.errors import UserError
+
 VMAP_MESSAGE = (
     "the MoE block cannot run under jax.vmap: its grouped matmul (lax.ragged_dot) batches over no dimension but "
     "its first, and the rings place tokens on the mesh themselves. Call it without vmap on the whole batch instead: "
@@ -61,7 +63,7 @@ def _refuse_vmap(arrays):
 
 @_refuse_vmap.def_vmap
 def _refuse_vmap_rule(axis_size, in_batched, arrays):
-  raise ValueError(VMAP_MESSAGE)
+  raise UserError(VMAP_MESSAGE)
 
 
 @jax.custom_vjp

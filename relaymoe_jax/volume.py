@@ -17,6 +17,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from relaymoe_jax.errors import UserError
+
 EXPERT_MODE, TOKEN_MODE = "ring_expert", "ring_token"
 
 
@@ -55,7 +57,7 @@ def plan_dispatch(*, tokens_per_device, d_model, d_ff, num_experts, top_k, ring_
                   expert_tensor_parallel=1):
   """Both modes' volumes for one MoE layer on one device, and the mode with fewer bytes per hop."""
   if num_experts % ring_size:
-    raise ValueError(f"E={num_experts} experts is not divisible by the ring size {ring_size}")
+    raise UserError(f"E={num_experts} experts is not divisible by the ring size {ring_size}")
   b = jnp.dtype(dtype).itemsize
   t, d, k, e = tokens_per_device, d_model, top_k, num_experts
   local_weights = (e // ring_size) * 3 * d * d_ff * b // expert_tensor_parallel  # L·w

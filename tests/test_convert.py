@@ -46,10 +46,19 @@ def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
   assert_same_tensors(hf_dir, tmp_path / "back")
   model_yaml = tmp_path / "orbax" / "model.yaml"
   assert not set(yaml.safe_load(model_yaml.read_text())) & set(LEGACY_RUNTIME)  # architecture only
-  # A converter output of before the split (its model.yaml also says how the model ran) converts the same.
+  # A converter output of before the split (its model.yaml also says how the model ran) converts the same, into
+  # the same directory only with --overwrite, which keeps what no export writes.
   model_yaml.write_text(yaml.safe_dump({**yaml.safe_load(model_yaml.read_text()), **LEGACY_RUNTIME}))
-  convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "legacy")])
-  assert_same_tensors(hf_dir, tmp_path / "legacy")
+  (tmp_path / "back" / "tokenizer.json").write_text("{}")
+  with pytest.raises(SystemExit) as exit_info:
+    convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "back")])
+  assert exit_info.value.code == 2 and capsys.readouterr().err == (
+      f"relaymoe-convert: error: {tmp_path / 'back'} holds an earlier export (config.json, model.safetensors): "
+      "choose another directory or overwrite it (relaymoe-convert orbax-to-hf --overwrite; to_hf(overwrite=True))\n")
+  convert.main(["orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "back"), "--overwrite"])
+  assert_same_tensors(hf_dir, tmp_path / "back")
+  assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors",
+                                                                    "tokenizer.json"]
 
 
 @pytest.mark.slow  # 6-12 s on 2 cores; CI's second step runs it
@@ -97,7 +106,13 @@ def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
        f"relaymoe-convert: error: {tmp_path} is neither a relaymoe-convert output"),
       (convert.main, ["hf-to-orbax", str(tmp_path), str(tmp_path / "out"), "steps=3"],
        "relaymoe-convert: error: ['steps=3']: only model.KEY=VALUE and mesh.AXIS=N"),
+      (convert.main, ["orbax-to-hf", str(tmp_path / "stopped"), str(tmp_path / "out")],  # not "--resume: ..."
+       f"relaymoe-convert: error: no checkpoint in {tmp_path / 'stopped' / 'checkpoints'}\n"),
   ]
+  run_config = load_run_config("cpu", FROZEN)
+  (tmp_path / "stopped").mkdir()  # a run that stopped before its first checkpoint
+  (tmp_path / "stopped" / "run_config.json").write_text(json.dumps(dict(
+      run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config_for(run_config)))))
   for entry, argv, message in cases:
     with pytest.raises(SystemExit) as exit_info:
       entry(argv)

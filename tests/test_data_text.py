@@ -131,6 +131,13 @@ def test_errors_name_what_to_set(tmp_path):
     load_run_config("cpu", ["data.kind=tokens", "data.path=t.bin", "data.tokenizer=tokenizer.json"])
   with pytest.raises(ValueError, match=r"data.eos_token=\[1\] is not a string \(quote it\), or an int"):
     load_run_config("cpu", ["data.eos_token=[1]"])
+  (tmp_path / "latin1.txt").write_bytes("first line\nsecond, café\n".encode("latin-1"))
+  with pytest.raises(ValueError, match=rf"^data.path '{tmp_path / 'latin1.txt'}', line 2, byte 22: not UTF-8 "):
+    make_source(text_config(tmp_path, tmp_path / "latin1.txt", eos_token="[SEP]"), 128)
+  (tmp_path / "a file").write_text("")  # a cache that cannot be written (read-only, full) is one line
+  with pytest.raises(ValueError, match=rf"^cannot write the tokenised cache {tmp_path / 'a file' / 'cache'}/corpus"
+                                       r"\.txt\.\w+\.uint16\.bin in data.cache_dir: "):
+    make_source(text_config(tmp_path, corpus, eos_token="[SEP]", cache_dir=str(tmp_path / "a file" / "cache")), 128)
 
 
 def test_without_a_tokenizer_text_is_still_bytes(tmp_path):

@@ -1,4 +1,6 @@
-"""Bad input gets a ValueError that names the bad value."""
+"""Bad input gets a UserError (a ValueError) that names the bad value; an error from JAX is a bug, never one."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +8,10 @@ import pytest
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
+from models.qwen3_config import RuntimeConfig, load_config
+from relaymoe_jax.errors import UserError
+from train.cli import main
+import train.mesh
 
 ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
@@ -38,6 +44,7 @@ BAD = [
     ("bad capacity", {}, dict(dispatcher="all_to_all", capacity_factor=0.0), "capacity_factor=0.0"),
     ("bad backend", {}, dict(dispatcher="ring_expert", backend="cutlass"), "backend 'cutlass'"),
     ("zero chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=0), "chunk_rows=0"),
+    ("fractional chunk rows", {}, dict(dispatcher="ring_expert", chunk_rows=3.5), "chunk_rows=3.5 must be a positive"),
     ("ascending ladder", {}, dict(dispatcher="ring_token", chunk_rows=(4, 16)), "descending tuple"),
     ("small row cap", {}, dict(dispatcher="ring_expert", max_chunk_rows=64), "max_chunk_rows=64 must be an int of "
                                                                           "at least 128"),
@@ -50,7 +57,7 @@ BAD = [
 
 @pytest.mark.parametrize("changes,kwargs,message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input_is_named(changes, kwargs, message):
-  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+  with pytest.raises(UserError, match=message.replace("(", r"\(")):
     _call(_with(**changes), mesh_of((4,), (rm.EXPERT,)), **kwargs)
 
 
@@ -114,3 +121,57 @@ def test_bad_shared_expert_is_named():
   with pytest.raises(ValueError, match="shared_gate_D1"):
     _call(layer, mesh_of((4,), (rm.EXPERT,)), shared=shared[:2] + (jnp.ones((4, 8)),),
           shared_gate_D1=jnp.ones((8, 2)))
+
+
+CLI = ["--config", "cpu", "compilation_cache_dir=''", "batch_size=8", "seq_len=16", "--compile-only"]
+
+
+def test_the_cli_shows_a_jax_error_in_project_code_as_a_bug(tmp_path, capsys, monkeypatch):
+  """A bug: the trainer's check that the batch splits over the mesh is lost, so JAX's shard_map raises a ValueError
+  while tracing the project's loss. JAX trims its own frames, so the traceback ends in models/loss.py; it is still
+  JAX's error, not one written for the user."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  monkeypatch.setattr(train.mesh, "batch_shards", lambda mesh, runtime: 1)
+  with pytest.raises(SystemExit) as exit_info:
+    main([*CLI, "batch_size=6", "--out", str(tmp_path / "run")])
+  stderr = capsys.readouterr().err
+  assert exit_info.value.code == 1, stderr
+  assert "Traceback (most recent call last)" in stderr and "\nValueError: shard_map applied to" in stderr, stderr
+  assert "error:" not in stderr, stderr
+  assert stderr.splitlines()[-1] == ("relaymoe-train: this is a bug, not a problem with the input: please report it "
+                                     "with the traceback above (--debug is not needed to see it)")
+
+
+def test_the_cli_shows_a_bad_config_value_as_one_line(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  with pytest.raises(SystemExit) as exit_info:
+    main([*CLI, "--out", str(tmp_path / "run"), "model.num_experts_per_tok=0"])
+  stderr = capsys.readouterr().err
+  assert exit_info.value.code == 2
+  assert stderr == "relaymoe-train: error: num_experts_per_tok=0 must be in [1, num_experts=8]\n"
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_key_value_heads=0), "num_key_value_heads=0: must be ≥ 1"),
+    (dict(hidden_size=0, num_attention_heads=-2), "hidden_size=0, num_attention_heads=-2: must be ≥ 1"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step=0: must be ≥ 1"),
+    (dict(num_hidden_layers=0), "num_hidden_layers=0: must be ≥ 1"),
+    (dict(mlp_only_layers=(1, 2)), r"mlp_only_layers \[2\] are not layers of the 2 \(0 to 1\)"),
+    (dict(param_dtype="int8"), r"param_dtype='int8' must be one of \['float32', 'bfloat16', 'float16'\]"),
+    (dict(shared_expert_intermediate_size=-1), "shared_expert_intermediate_size=-1 must be ≥ 0"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else "")
+def test_model_config_values_that_cannot_work_are_named(change, message):
+  with pytest.raises(UserError, match=f"^{message}"):
+    load_config("tiny", **change)
+
+
+def test_a_compute_dtype_that_is_not_floating_point_is_named():
+  with pytest.raises(UserError, match=r"^dtype='int32' \(the compute dtype\) must be one of"):
+    RuntimeConfig(dtype="int32")
+
+
+def test_no_emulated_cpu_devices_is_one_line(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--cpu-devices", "0", "--config", "cpu"])
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == "relaymoe-train: error: --cpu-devices 0: must be ≥ 1\n"

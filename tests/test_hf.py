@@ -5,6 +5,7 @@ compares live with transformers (torch and transformers installed)."""
 
 import functools
 import json
+import os
 import pathlib
 import shutil
 
@@ -19,6 +20,7 @@ from conftest import requires_devices
 import relaymoe_jax as rm
 from models import hf, hf_config, safetensors_io
 from models.qwen3_config import RuntimeConfig, load_config
+from relaymoe_jax.errors import UserError
 from train.config import MeshConfig
 from train.mesh import build_mesh
 
@@ -286,16 +288,51 @@ KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
      r"unexpected tensor 'model.layers.9.mlp.gate.weight' \(in model.safetensors\)"),
     (lambda t: dict(t, **{KEY: t[KEY][:, :-1]}), rf"tensor '{KEY}' \(in model.safetensors\) has shape \[16, 31\]; "
                                                  r"the config needs \[16, 32\]"),
-], ids=["missing", "unexpected", "shape"])
+    (lambda t: dict(t, **{KEY: t[KEY].astype(np.int32)}), rf"tensor '{KEY}' \(in model.safetensors\) has dtype I32; "
+                                                           "weights are read from floating point tensors only"),
+    (lambda t: dict(t, **{KEY: t[KEY] > 0}), rf"tensor '{KEY}' \(in model.safetensors\) has dtype BOOL"),
+], ids=["missing", "unexpected", "shape", "integer", "bool"])
 def test_bad_checkpoint_names_the_tensor(edit, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     _from_hf(_rewrite("qwen3_moe", tmp_path, edit))
+
+
+def test_a_safetensors_file_cut_short_is_named(tmp_path):
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path)
+  file = tmp_path / "model.safetensors"
+  size = file.stat().st_size
+  os.truncate(file, size - 100)
+  with pytest.raises(UserError, match=f"^{file} is cut short: {size - 100} bytes, its header needs {size}$"):
+    _from_hf(tmp_path)
+  os.truncate(file, 100)
+  with pytest.raises(UserError, match=f"^{file} is not a safetensors file \\(its header does not read\\)"):
+    _from_hf(tmp_path)
 
 
 def test_index_naming_an_absent_file_is_named(tmp_path):
   hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
   (tmp_path / "model-00002-of-00003.safetensors").unlink()
   with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
+    _from_hf(tmp_path)
+
+
+def test_a_second_export_into_the_same_directory_is_refused_or_replaces_exactly_the_first(tmp_path):
+  (tmp_path / "tokenizer.json").write_text("{}")
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)  # shards and their index
+  with pytest.raises(UserError, match=f"{tmp_path} holds an earlier export \\(config.json, "
+                                      r"model-00001-of-00003.safetensors, model-00002-of-00003.safetensors and 2 more"):
+    hf.to_hf(_loaded("qwen3_moe"), tmp_path)
+  assert hf.to_hf(_loaded("qwen3_moe"), tmp_path, overwrite=True) == ["model.safetensors"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert_same_tensors(tmp_path, FIXTURES / "qwen3_moe")
+
+
+def test_an_index_beside_a_model_safetensors_it_does_not_name_is_refused(tmp_path):
+  """What an export without the check above left: transformers would read model.safetensors, we the index."""
+  hf.to_hf(_loaded("qwen2_moe"), tmp_path, max_shard_bytes=100_000)
+  shutil.copy(FIXTURES / "qwen3_moe" / "model.safetensors", tmp_path)
+  with pytest.raises(UserError, match=f"{tmp_path} holds model.safetensors.index.json and a model.safetensors that "
+                                      "it does not name: two exports mixed"):
     _from_hf(tmp_path)
 
 

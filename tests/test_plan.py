@@ -18,11 +18,14 @@ import jax
 import pytest
 
 from relaymoe_jax import mosaic_gpu
-from train import cli, loop, plan as planning, remat_auto
+from relaymoe_jax.errors import UserError
+from train import cli, loop, plan as planning, plan_search, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
 from train.metrics import size
+from train.plan_record import Plan, cached_plan_path, plan_from_dict, plan_key, store_plan
+from train.sources import model_config_for
 
 OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",
              "compilation_cache_dir=''"]
@@ -149,6 +152,16 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
     patch.setattr(planning.Planner, "plan", no_planning)
     with pytest.raises(AssertionError, match="planned again"):
       loop.run(dataclasses.replace(config, seq_len=64), overwrite=True)
+  # A resume under another budget (a new plan key, as a new JAX or package version gives) keeps the checkpoints'
+  # plan: planning anew could stack the layers otherwise, and the checkpoint would not restore.
+  saving = dataclasses.replace(config, checkpoint_every=1)
+  loop.run(saving, overwrite=True)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(planning.Planner, "plan", no_planning)
+    roomier = dataclasses.replace(saving, steps=3, device_memory_gib=memory_gib(between(uniform, 0.9)))
+    assert [r["step"] for r in loop.run(roomier, resume=True)] == [2]
+  assert "the plan this run's checkpoints were written with" in capsys.readouterr().out
+  assert json.loads((tmp_path / "run_config.json").read_text())["remat_plan"] == stored["remat_plan"]
 
 
 def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_on_it(uniform, monkeypatch):
@@ -215,6 +228,126 @@ def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uni
   assert (tmp_path / "c" / "remat_plan.json").exists()
 
 
+# A stored plan of the tiny model's two layers, as remat_plan.json holds it.
+STORED = dict(remat=["layer", "none"], batch_size=8, seq_len=128, state_bytes=1, temp_bytes=2, total_bytes=3,
+              budget_bytes=4, fits=True, compiles=[[{"remat": "layer"}, 3]], max_chunk_rows=None, keep_gate_up=False,
+              summary="1 × layer, 1 × none")
+
+
+class FakePlanner:
+  """The planner without compiles: a fixed plan, counting how often it is asked."""
+  budget_bytes = 1 << 30
+
+  def __init__(self):
+    fields = {k: v for k, v in STORED.items() if k != "summary"}
+    self.planned, self.calls = Plan(**dict(fields, remat=("attention", "attention"), compiles=[])), 0
+
+  def plan(self):
+    self.calls += 1
+    return self.planned
+
+  def compiled_step(self, remat, keep_gate_up):
+    return "the fresh plan's step"
+
+
+@pytest.fixture
+def fake_planner(monkeypatch):
+  planner = FakePlanner()
+  monkeypatch.setattr(remat_auto, "make_planner", lambda *args, **kwargs: planner)
+  return planner
+
+
+def _auto(tmp_path):
+  return dataclasses.replace(with_runtime(BASE, remat="auto"), out_dir=str(tmp_path / "run"),
+                             compilation_cache_dir=str(tmp_path / "xla"))
+
+
+def _key(config):
+  return plan_key(config, model_config_for(config), FakePlanner.budget_bytes)
+
+
+DAMAGED = {
+    "not JSON": lambda key: "{\"key\": ",
+    "not an object": lambda key: json.dumps([key, STORED]),
+    "no plan": lambda key: json.dumps({"key": key}),
+    "a field missing": lambda key: json.dumps({"key": key, "plan": {k: v for k, v in STORED.items() if k != "fits"}}),
+    "an unknown field": lambda key: json.dumps({"key": key, "plan": dict(STORED, colour="red")}),
+    "remat too short": lambda key: json.dumps({"key": key, "plan": dict(STORED, remat=["layer"])}),
+    "an unknown policy": lambda key: json.dumps({"key": key, "plan": dict(STORED, remat=["layer", "sometimes"])}),
+    "bytes a string": lambda key: json.dumps({"key": key, "plan": dict(STORED, total_bytes="3")}),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_plan_in_the_run_directory_is_named_and_the_cached_one_used(damage, fake_planner, tmp_path,
+                                                                              capsys):
+  config = _auto(tmp_path)
+  record, cached = tmp_path / "run" / "remat_plan.json", cached_plan_path(config, _key(config))
+  record.parent.mkdir()
+  record.write_text(DAMAGED[damage](_key(config)))
+  store_plan(cached, _key(config), plan_from_dict(STORED, 2))
+  _, plan, step = remat_auto.resolve_remat(config)
+  assert plan.remat == ("layer", "none") and step is None and fake_planner.calls == 0
+  assert f"warning: ignored the remat plan {record}: " in capsys.readouterr().out
+  assert json.loads(record.read_text()) == json.loads(cached.read_text())  # the good plan recorded over it
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_cached_plan_is_named_never_copied_and_replaced_by_a_new_plan(damage, fake_planner, tmp_path,
+                                                                                capsys):
+  config = _auto(tmp_path)
+  cached = cached_plan_path(config, _key(config))
+  cached.parent.mkdir(parents=True)
+  cached.write_text(DAMAGED[damage](_key(config)))
+  _, plan, step = remat_auto.resolve_remat(config)
+  assert (plan, step, fake_planner.calls) == (fake_planner.planned, "the fresh plan's step", 1)
+  assert f"warning: ignored the remat plan {cached}: " in capsys.readouterr().out
+  for where in (cached, tmp_path / "run" / "remat_plan.json"):
+    assert plan_from_dict(json.loads(where.read_text())["plan"], 2) == plan
+
+
+def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_path, capsys, monkeypatch):
+  """So a read-only cache that holds the plan gives no warning that the plan was not cached."""
+  config = _auto(tmp_path)
+  cached = cached_plan_path(config, _key(config))
+  store_plan(cached, _key(config), plan_from_dict(STORED, 2))
+  written = []
+  monkeypatch.setattr(remat_auto, "store_plan", lambda path, key, plan: written.append(path))
+  assert remat_auto.resolve_remat(config)[1].remat == ("layer", "none")
+  assert written == [tmp_path / "run" / "remat_plan.json"] and "warning" not in capsys.readouterr().out
+
+
+def test_a_run_directory_plan_record_that_is_a_directory_is_one_line(fake_planner, tmp_path, capsys):
+  config = _auto(tmp_path)
+  (tmp_path / "run" / "remat_plan.json").mkdir(parents=True)
+  with pytest.raises(UserError, match=f"cannot record the remat plan in {tmp_path / 'run' / 'remat_plan.json'} "
+                                      r"\(Is a directory\)"):
+    remat_auto.resolve_remat(config)
+  assert "warning: ignored the remat plan" in capsys.readouterr().out
+
+
+def test_a_resume_keeps_the_plan_its_checkpoints_were_written_with(fake_planner, tmp_path, capsys):
+  """Whatever would be planned now (here: another configuration's record, a new plan), a resumed run keeps its
+  checkpoints' plan, and rewrites no record before its checkpoint restores."""
+  config = _auto(tmp_path)
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "run_config.json").write_text(json.dumps({"remat_plan": dict(STORED, remat=["layer", "attention"])}))
+  record = json.dumps({"key": "another configuration's", "plan": STORED})
+  (run_dir / "remat_plan.json").write_text(record)
+  resumed, plan, step = remat_auto.resolve_remat(config, resume=True)
+  assert resumed.runtime.remat == plan.remat == ("layer", "attention") and step is None
+  assert "the plan this run's checkpoints were written with" in capsys.readouterr().out
+  (run_dir / "run_config.json").unlink()  # a run stopped before it wrote one: its record, of any configuration
+  assert remat_auto.resolve_remat(config, resume=True)[1].remat == ("layer", "none")
+  assert fake_planner.calls == 0 and (run_dir / "remat_plan.json").read_text() == record
+  (run_dir / "remat_plan.json").unlink()  # nothing of its own: planned, recorded once the checkpoint restores
+  assert remat_auto.resolve_remat(config, resume=True)[1] == fake_planner.planned
+  assert fake_planner.calls == 1 and not (run_dir / "remat_plan.json").exists()
+  assert remat_auto.resolve_remat(config)[1] == fake_planner.planned  # not resumed: recorded at once
+  assert (run_dir / "remat_plan.json").exists()
+
+
 @pytest.mark.slow  # three compiles afresh
 def test_the_uniform_policies_compile_at_once_where_the_host_has_cores(uniform, monkeypatch):
   """With cores to spare the first compiles run in threads: the same plan and bytes as compiled one by one."""
@@ -267,6 +400,20 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
   assert exit_info.value.code == 2
   assert stderr.startswith("relaymoe-train: error: the train step needs ") and stderr.count("\n") == 1, stderr
   assert "With runtime.remat=auto it fits" in stderr
+
+
+def test_relaymoe_plan_refuses_a_bad_variant_or_out_before_any_compile(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  monkeypatch.setattr(plan_search, "make_planner", lambda *args, **kwargs: pytest.fail("planned"))
+  (tmp_path / "file").write_text("")
+  for argv, message in ((["--variants", "ring,bogus"], "unknown variant 'bogus'; known: "),
+                        (["--out", str(tmp_path / "file" / "sub")], f"--out {tmp_path / 'file' / 'sub'}: cannot "
+                                                                    "write plan.json there (")):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.plan_main(["--config", "cpu", "--out", str(tmp_path / "out"), *OVERRIDES, *argv])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.startswith(f"relaymoe-plan: error: {message}"), stderr
+    assert stderr.count("\n") == 1
 
 
 def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):

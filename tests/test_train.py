@@ -22,7 +22,7 @@ from flax import nnx
 from conftest import requires_devices
 from models import qwen3
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
-from train.data import SyntheticLanguage, make_source
+from train.data import DataChanged, SyntheticLanguage, data_change, data_stamp, make_source
 from models.qwen3_config import RuntimeConfig, load_config
 from train.checkpoints import Checkpoints
 from train.compile import abstract_train_state, memory_plan
@@ -31,9 +31,10 @@ from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
 from train import checkpoints as train_checkpoints
 from train import metrics as train_metrics
-from train import loop as train_loop
+from train import data as train_data, loop as train_loop
 from train.cli import _parse, _start
-from train.step import TrainState, make_optimizer, make_train_step
+from train.errors import exit_status
+from train.step import BAD_IDS, TrainState, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = RuntimeConfig(dtype="float32")  # the tiny model computes in float32 in these tests, as `--config cpu` does
@@ -61,10 +62,16 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=F32))
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
-  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16), mesh, RuntimeConfig())
+  batch = SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16)
+  tokens = global_batch(batch, mesh, RuntimeConfig())
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
   state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
   new_state, metrics = step(state, tokens)
+  assert int(metrics[BAD_IDS]) == 0
+  # Ids outside the vocabulary (a data file changed under the run) are counted on the device, for the loop to stop.
+  changed = batch.copy()
+  changed[1, 5], changed[6, 16] = model_config.vocab_size, -1
+  assert int(step(state, global_batch(changed, mesh, RuntimeConfig()))[1][BAD_IDS]) == 2
 
   dense_graphdef, _ = nnx.split(qwen3.create_sharded(model_config, mesh,
                                                      runtime=dataclasses.replace(F32, dispatcher="dense")))
@@ -171,6 +178,36 @@ def test_resuming_with_another_layer_layout_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
+def test_a_token_file_rewritten_under_the_run_stops_it_and_a_resume_says_the_data_changed(tmp_path, monkeypatch,
+                                                                                          capsys):
+  path = tmp_path / "tokens.bin"
+  (np.arange(4000) % 128).astype(np.uint16).tofile(path)
+  config = tiny_run(tmp_path, steps=4, checkpoint_every=2, log_every=4,
+                    data=DataConfig(kind="tokens", path=str(path), token_dtype="uint16"))
+  read = train_data.TokenFile.windows
+
+  def rewritten_at_step_3(self, starts, length, step):
+    if step == 3:  # in place, as `cat other > tokens.bin` does: ids of another, larger vocabulary
+      path.write_bytes((np.arange(4000) % 128 + 128).astype(np.uint16).tobytes())
+    return read(self, starts, length, step)
+
+  monkeypatch.setattr(train_data.TokenFile, "windows", rewritten_at_step_3)
+  with pytest.raises(DataChanged, match=r"^step 3: 136 token ids of its batch are outside the vocabulary "
+                                        r"\(vocab_size=128\): .* changed under the run; stopping. The last good "
+                                        "checkpoint is step 2 in ") as stopped:
+    run(config)
+  assert exit_status(stopped.value) == 1  # failed while training: one line, exit status 1
+  assert Checkpoints(tmp_path / "run" / "checkpoints", 2).latest_step() == 2  # the bad step was never saved
+  monkeypatch.setattr(train_data.TokenFile, "windows", read)
+  (np.arange(4000) % 128).astype(np.uint16).tofile(path)
+  os.utime(path, ns=(10**18, 10**18))  # 2001-09-09
+  assert [r["step"] for r in run(config, resume=True)] == [3]
+  out = capsys.readouterr().out
+  assert f"warning: the data changed since the run's checkpoints were written: {path} (8000 bytes, modified " in out
+  assert f"), now {path} (8000 bytes, modified 2001-09-" in out and "the resumed run reads the new data" in out
+
+
+@pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   run(tiny_run(tmp_path, steps=2, checkpoint_every=1))
   diverging = tiny_run(tmp_path, steps=4, checkpoint_every=1,
@@ -243,6 +280,16 @@ def test_data_sources_are_deterministic_and_resumable(tmp_path):
   np.testing.assert_array_equal(b1[0], tokens[16:25])  # batch 1 starts where batch 0 ended
   with pytest.raises(ValueError, match="token id 299 is out of range"):
     make_source(DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), token_dtype="uint32"), 256)
+  # A file that shrinks under the run is an error naming the step (a memory map's read past its end was SIGBUS).
+  before = data_stamp(DataConfig(kind="tokens", path=str(tmp_path / "t.bin")))
+  os.truncate(tmp_path / "t.bin", 400)
+  np.testing.assert_array_equal(source.batch(0, 2, 8), b0)  # what is still there reads
+  with pytest.raises(DataChanged, match=rf"^step 9: data.path '{tmp_path / 't.bin'}' shrank under the run to 400 "
+                                        r"bytes \(4000 when it started\); stopping$"):
+    source.batch(9, 2, 8)
+  now = data_stamp(DataConfig(kind="tokens", path=str(tmp_path / "t.bin")))
+  assert before["bytes"] == 4000 and now["bytes"] == 400
+  assert data_change(before, before) is None and "(4000 bytes, modified " in data_change(before, now)
 
   (tmp_path / "t.txt").write_text("héllo, relay " * 20, encoding="utf-8")
   text = make_source(DataConfig(kind="text", path=str(tmp_path / "t.txt")), 256)

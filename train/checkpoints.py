@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from relaymoe_jax.errors import MissingInput, UserError
 from train.metrics import log_on_process_0, size
 from train.rundir import checkpoint_steps
 
@@ -87,10 +88,10 @@ class Checkpoints:
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
-      raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
+      raise MissingInput(f"no checkpoint in {self.directory}")
     if step is not None:
       if step not in steps:
-        raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; there are {sorted(steps)}")
+        raise MissingInput(f"no checkpoint of step {step} in {self.directory}; there are {sorted(steps)}")
       steps = [step]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_state)
     unreadable = []
@@ -118,9 +119,10 @@ class Checkpoints:
     wanted = _renamed(abstract, {new: old for old, new in names.items()})
     if _leaf_shapes(stored) != _leaf_shapes(wanted):
       # Checked before orbax reads any array: a read of the wrong shape fails inside tensorstore and floods stderr.
-      raise ValueError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's "
-                       "parameters (another model config: layers, sizes, or runtime.scan_layers, which stacks "
-                       f"layers); {_layout_difference(_leaf_shapes(stored), _leaf_shapes(abstract))}")
+      raise UserError(f"--resume: checkpoint step {step} in {self.directory} does not fit this model's "
+                      "parameters (another model config: layers, sizes, or runtime.scan_layers or runtime.remat, "
+                      "which decide how layers stack); "
+                      f"{_layout_difference(_leaf_shapes(stored), _leaf_shapes(abstract))}")
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted),
                                                                     meta=ocp.args.JsonRestore()))

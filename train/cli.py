@@ -12,7 +12,8 @@ RELAYMOE_COORDINATOR, RELAYMOE_NUM_PROCESSES, RELAYMOE_PROCESS_ID); under SLURM 
 Exit status: 0 done; 2 the run cannot start as asked (a bad config, a busy or used --out, no checkpoint to resume,
 a step that does not fit the device),
 printed as one line (`--debug` or RELAYMOE_DEBUG=1 for the traceback); 1 it failed while training (a non-finite
-loss); 143 / 130 stopped by SIGTERM / Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
+loss, data changed under the run) or a bug (its traceback and a line saying so); 143 / 130 stopped by SIGTERM /
+Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
 """
 
 import argparse
@@ -23,6 +24,7 @@ import sys
 
 import jax
 
+from relaymoe_jax.errors import UserError
 from train import plan_search
 from train.compile import memory_plan
 from train.config import load_run_config
@@ -75,6 +77,8 @@ def main(argv=None):
 
 def _start(args, overrides):
   """JAX started (emulated CPU devices, distributed), and the run config with `overrides` applied."""
+  if args.cpu_devices < 1:  # XLA would abort the process
+    raise UserError(f"--cpu-devices {args.cpu_devices}: must be ≥ 1")
   # Only the CPU platform reads this; on GPUs it changes nothing. XLA reads it when JAX's backends start (at the
   # first device query, not at import): nothing before this line may ask for a device.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -175,14 +179,18 @@ def _plan(args):
 
   devices = plan_search.topology_devices(args.topology, args.target_config) if args.topology else None
   quiet = jax.process_index() != 0
+  path = pathlib.Path(config.out_dir) / "plan.json"
+  if not quiet:
+    try:  # before the search, which may take minutes
+      path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+      raise UserError(f"--out {path.parent}: cannot write plan.json there ({err.strerror or err})") from None
   results = plan_search.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
                         devices=devices, log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
   table = plan_search.render(results)
   print(table)
-  path = pathlib.Path(config.out_dir) / "plan.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(dict(
       config=args.config, overrides=args.overrides, maximize=args.maximize, topology=args.topology,
       devices=len(devices) if devices else jax.device_count(), backend=jax.default_backend(),

@@ -4,6 +4,7 @@ import dataclasses
 
 from models.config import from_mapping, override, parse_assignment, read_yaml
 from models.qwen3_config import RUNTIME_FIELDS, RuntimeConfig
+from relaymoe_jax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,17 +34,17 @@ class DataConfig:
 
   def __post_init__(self):
     if self.kind not in ("synthetic", "tokens", "text"):
-      raise ValueError(f"data.kind={self.kind!r} must be one of synthetic, tokens, text")
+      raise UserError(f"data.kind={self.kind!r} must be one of synthetic, tokens, text")
     if self.kind != "synthetic" and not self.path:
-      raise ValueError(f"data.kind={self.kind!r} needs data.path")
+      raise UserError(f"data.kind={self.kind!r} needs data.path")
     if self.token_dtype not in ("uint16", "uint32"):
-      raise ValueError(f"data.token_dtype={self.token_dtype!r} must be uint16 or uint32")
+      raise UserError(f"data.token_dtype={self.token_dtype!r} must be uint16 or uint32")
     if self.tokenizer and self.kind != "text":
-      raise ValueError(f"data.tokenizer is for data.kind=text, not {self.kind!r}")
+      raise UserError(f"data.tokenizer is for data.kind=text, not {self.kind!r}")
     if not self.text_field:
-      raise ValueError("data.text_field must not be empty")
+      raise UserError("data.text_field must not be empty")
     if isinstance(self.eos_token, int) and self.eos_token < 0:
-      raise ValueError(f"data.eos_token={self.eos_token} must be a token name or an id ≥ 0")
+      raise UserError(f"data.eos_token={self.eos_token} must be a token name or an id ≥ 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +68,7 @@ class OptimConfig:
                   grad_clip=(self.grad_clip > 0, "> 0"))
     for name, (ok, wanted) in checks.items():
       if not ok:  # NaN fails every comparison
-        raise ValueError(f"optim.{name}={getattr(self, name)} must be {wanted}")
+        raise UserError(f"optim.{name}={getattr(self, name)} must be {wanted}")
 
 
 INIT_SOURCES = ("hf:", "orbax:")
@@ -110,18 +111,18 @@ class RunConfig:
 
   def __post_init__(self):
     if self.checkpoint_every < 0:
-      raise ValueError(f"checkpoint_every={self.checkpoint_every} must be ≥ 0 (0: never)")
+      raise UserError(f"checkpoint_every={self.checkpoint_every} must be ≥ 0 (0: never)")
     for name in ("batch_size", "micro_batches", "seq_len", "log_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
+        raise UserError(f"{name}={getattr(self, name)} must be ≥ 1")
     if self.batch_size % self.micro_batches:
-      raise ValueError(f"batch_size={self.batch_size} does not split into micro_batches={self.micro_batches}")
+      raise UserError(f"batch_size={self.batch_size} does not split into micro_batches={self.micro_batches}")
     if self.steps < 0:
-      raise ValueError(f"steps={self.steps} must be ≥ 0")
+      raise UserError(f"steps={self.steps} must be ≥ 0")
     if self.init_from and not self.init_from.startswith(INIT_SOURCES):
-      raise ValueError(f"init_from={self.init_from!r} must start with one of {list(INIT_SOURCES)} (or be empty)")
+      raise UserError(f"init_from={self.init_from!r} must start with one of {list(INIT_SOURCES)} (or be empty)")
     if not 0 <= self.memory_headroom < 1:
-      raise ValueError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
+      raise UserError(f"memory_headroom={self.memory_headroom} must be in [0, 1)")
 
 
   @property
@@ -153,4 +154,4 @@ def load_run_config(path_or_name="default", overrides=()):
 def _refuse_moved(keys, where):
   moved = {k: MOVED[k] for k in keys if k in MOVED}
   if moved:
-    raise ValueError(f"run config {where}: " + ", ".join(f"{old} is now {new}" for old, new in moved.items()))
+    raise UserError(f"run config {where}: " + ", ".join(f"{old} is now {new}" for old, new in moved.items()))

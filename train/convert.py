@@ -1,7 +1,7 @@
 """`relaymoe-convert`: weights in and out (the trainer's own `init_from` reads them: `train.sources`).
 
     relaymoe-convert hf-to-orbax HF_DIR OUT_DIR [model.KEY=VALUE ...] [mesh.AXIS=N ...]
-    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [mesh.AXIS=N ...]
+    relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [--overwrite] [mesh.AXIS=N ...]
 
 `hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf`, shard by shard into the sharded
 layout) and writes OUT_DIR/model.yaml (the architecture) and OUT_DIR/params (an orbax checkpoint of the parameters),
@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 import yaml
 
 from models.config import override, parse_assignment
-from models.hf import to_hf
+from models.hf import check_export_target, to_hf
+from relaymoe_jax.errors import MissingInput, UserError
 from train.checkpoints import Checkpoints
 from train.compile import abstract_train_state
 from train.config import MeshConfig
@@ -39,7 +40,7 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   _check_hf_dir(hf_dir)
   out_dir = pathlib.Path(out_dir).absolute()
   if (out_dir / PARAMS).exists():
-    raise ValueError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
+    raise UserError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
   init_from = f"hf:{hf_dir}"
   config, _ = source_config(init_from, overrides)
   params = initial_params(init_from, config, CONVERTED_RUNTIME, mesh)
@@ -53,23 +54,25 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
 
 def _check_hf_dir(hf_dir):
   if not (pathlib.Path(hf_dir) / "config.json").exists():
-    raise FileNotFoundError(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
+    raise MissingInput(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
 
 
-def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None):
-  """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint."""
+def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None, overwrite=False):
+  """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint; an earlier export in
+  `hf_dir` is refused before anything is read, or with `overwrite` replaced."""
+  check_export_target(hf_dir, overwrite)
   source = pathlib.Path(source).absolute()
   if (source / MODEL_YAML).exists():
     if step is not None:
-      raise ValueError(f"--step: {source} holds one set of parameters, not a run's checkpoints")
+      raise UserError(f"--step: {source} holds one set of parameters, not a run's checkpoints")
     config, runtime = read_model_yaml(source / MODEL_YAML)
     params = restore_params(source / PARAMS, config, runtime, mesh, runtime)
   elif (source / "run_config.json").exists():
     config, runtime, params = _run_params(source, mesh, step)
   else:
-    raise FileNotFoundError(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
-                            "(run_config.json)")
-  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype)
+    raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
+                       "(run_config.json)")
+  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype, overwrite=overwrite)
   return config
 
 
@@ -86,8 +89,8 @@ def _run_params(run_dir, mesh, step):
 def _mesh(assignments, num_experts):
   mesh = build_mesh(override(MeshConfig(), [a[len("mesh."):] for a in assignments]))
   if num_experts % mesh.shape["expert"]:
-    raise ValueError(f"{num_experts} experts do not split over mesh.expert={mesh.shape['expert']} "
-                     f"({jax.device_count()} devices); pass mesh.expert=N with N dividing {num_experts}")
+    raise UserError(f"{num_experts} experts do not split over mesh.expert={mesh.shape['expert']} "
+                    f"({jax.device_count()} devices); pass mesh.expert=N with N dividing {num_experts}")
   return mesh
 
 
@@ -108,6 +111,8 @@ def _parse(argv):
   to_hf.add_argument("--step", type=int, help="the run's checkpoint step (default: the newest that reads)")
   to_hf.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                      help="of the written tensors (default: the parameters', float32 for a training run)")
+  to_hf.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier export in HF_DIR (its config.json and safetensors files; others stay)")
   for command in (to_orbax, to_hf):
     command.add_argument("overrides", nargs="*", metavar="key=value", help="model.KEY=VALUE, mesh.AXIS=N")
   args, rest = parser.parse_known_args(argv)  # key=value may also follow the options
@@ -125,7 +130,7 @@ def main(argv=None):
 def _convert(args):
   unknown = [a for a in args.overrides if not a.startswith(("model.", "mesh."))]
   if unknown:
-    raise ValueError(f"{unknown}: only model.KEY=VALUE and mesh.AXIS=N are taken here")
+    raise UserError(f"{unknown}: only model.KEY=VALUE and mesh.AXIS=N are taken here")
   model_overrides = dict(parse_assignment(a[len("model."):]) for a in args.overrides if a.startswith("model."))
   mesh_assignments = [a for a in args.overrides if a.startswith("mesh.")]
   if args.command == "hf-to-orbax":
@@ -136,9 +141,9 @@ def _convert(args):
           f"train from it with init_from=orbax:{args.out_dir}")
     return
   if model_overrides:
-    raise ValueError("orbax-to-hf takes the model config from its source; model.KEY=VALUE is not taken here")
+    raise UserError("orbax-to-hf takes the model config from its source; model.KEY=VALUE is not taken here")
   experts = _source_experts(pathlib.Path(args.source))
-  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype)
+  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype, args.overwrite)
   print(f"wrote {args.hf_dir} (config.json and safetensors, per-expert layout)")
 
 
@@ -147,8 +152,8 @@ def _source_experts(source):
     return yaml.safe_load((source / MODEL_YAML).read_text())["num_experts"]
   if (source / "run_config.json").exists():
     return json.loads((source / "run_config.json").read_text())["model"]["num_experts"]
-  raise FileNotFoundError(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
-                          "(run_config.json)")
+  raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
+                     "(run_config.json)")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ cached .bin (`train.text`).
 """
 
 import codecs
+import datetime
 import math
+import os
 import pathlib
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from relaymoe_jax.errors import UserError
 from train.text import TokenizedText
 
 
@@ -25,7 +28,7 @@ class SyntheticLanguage:
 
   def __init__(self, vocab_size, branching, seed):
     if not 1 <= branching <= vocab_size:
-      raise ValueError(f"branching={branching} must be between 1 and vocab_size={vocab_size}")
+      raise UserError(f"branching={branching} must be between 1 and vocab_size={vocab_size}")
     rng = np.random.default_rng(seed)
     self.vocab_size, self.seed = vocab_size, seed
     self.successors = np.stack([rng.choice(vocab_size, branching, replace=False) for _ in range(vocab_size)])
@@ -41,6 +44,10 @@ class SyntheticLanguage:
     return tokens
 
 
+class DataChanged(UserError):
+  """The data file changed under the run (ids out of range, or shorter): the run stops at the step that met it."""
+
+
 class TokenWindows:
   """Consecutive windows of S+1 tokens (stride S) over a 1-D token array, batch after batch, wrapping around."""
 
@@ -48,18 +55,65 @@ class TokenWindows:
 
   def __init__(self, tokens, vocab_size, seq_len=None, where="the data"):
     """`seq_len` given: a source too short for one window is refused now, not at the first step."""
-    self.tokens = tokens
+    self.tokens, self.num_tokens, self.where = tokens, tokens.size, where
     if tokens.size and int(tokens.max()) >= vocab_size:
-      raise ValueError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
+      raise UserError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
     if seq_len is not None and (tokens.size - 1) // seq_len < 1:
-      raise ValueError(f"{where} holds {tokens.size} tokens, too few for one window of seq_len+1={seq_len + 1}")
+      raise UserError(f"{where} holds {tokens.size} tokens, too few for one window of seq_len+1={seq_len + 1}")
 
   def batch(self, step, batch_size, seq_len):
-    windows = (self.tokens.size - 1) // seq_len
+    windows = (self.num_tokens - 1) // seq_len
     if windows < 1:
-      raise ValueError(f"{self.tokens.size} tokens are too few for one window of seq_len+1={seq_len + 1}")
+      raise UserError(f"{self.num_tokens} tokens are too few for one window of seq_len+1={seq_len + 1}")
     starts = ((step * batch_size + np.arange(batch_size)) % windows) * seq_len
-    return np.stack([self.tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+    return np.stack(self.windows(starts, seq_len + 1, step)).astype(np.int32)
+
+  def windows(self, starts, length, step):
+    return [self.tokens[s:s + length] for s in starts]
+
+
+class TokenFile(TokenWindows):
+  """Windows of a token file, read from it at each batch: a file that shrinks under the run is an error naming it
+  and the step, where a read of a memory map past the file's new end kills the process (SIGBUS)."""
+
+  def __init__(self, path, dtype, vocab_size, seq_len, where):
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+      raise UserError(f"{where} is empty")
+    if size % itemsize:
+      raise UserError(f"{where} holds {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each): "
+                      "is data.token_dtype right?")
+    # `tokens` (memory-mapped) are the ids as they were at the start, each checked once here; batches read the file.
+    super().__init__(np.memmap(path, dtype=dtype, mode="r"), vocab_size, seq_len, where)
+    self.path, self.dtype = path, np.dtype(dtype)
+
+  def windows(self, starts, length, step):
+    nbytes = length * self.dtype.itemsize
+    with open(self.path, "rb") as f:
+      read = [os.pread(f.fileno(), nbytes, int(s) * self.dtype.itemsize) for s in starts]
+    if any(len(r) < nbytes for r in read):
+      raise DataChanged(f"step {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
+                        f"({self.num_tokens * self.dtype.itemsize} when it started); stopping")
+    return [np.frombuffer(r, self.dtype) for r in read]
+
+
+def data_stamp(data_config):
+  """The data file's size and modification time (None for synthetic data): run_config.json keeps them, so that a
+  resume can say when the data changed since."""
+  if data_config.kind == "synthetic":
+    return None
+  stat = pathlib.Path(data_config.path).stat()
+  return dict(path=str(pathlib.Path(data_config.path).resolve()), bytes=stat.st_size, mtime_ns=stat.st_mtime_ns)
+
+
+def data_change(before, now):
+  """A line saying how the data file changed between two `data_stamp`s, or None."""
+  if not before or not now or before == now:
+    return None
+  when = lambda stamp: datetime.datetime.fromtimestamp(stamp["mtime_ns"] / 1e9).isoformat(sep=" ", timespec="seconds")
+  return (f"warning: the data changed since the run's checkpoints were written: {before['path']} "
+          f"({before['bytes']} bytes, modified {when(before)}), now {now['path']} ({now['bytes']} bytes, modified "
+          f"{when(now)}); the resumed run reads the new data")
 
 
 def make_source(data_config, vocab_size, seq_len=None):
@@ -70,28 +124,18 @@ def make_source(data_config, vocab_size, seq_len=None):
   path = pathlib.Path(data_config.path)
   where = f"data.path {str(path)!r}"
   if not path.exists():
-    raise ValueError(f"{where} does not exist")
+    raise UserError(f"{where} does not exist")
   if not path.is_file():
-    raise ValueError(f"{where} is {'a directory' if path.is_dir() else 'not a regular file'}; give a file")
+    raise UserError(f"{where} is {'a directory' if path.is_dir() else 'not a regular file'}; give a file")
   if kind == "tokens":
-    return TokenWindows(_token_file(path, data_config.token_dtype, where), vocab_size, seq_len, where)
+    return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where)
   if data_config.tokenizer:
     return _tokenized_text(data_config, vocab_size, seq_len)
   if vocab_size < 256:
-    raise ValueError(f"text data is byte-level and needs vocab_size ≥ 256; the model has {vocab_size}")
+    raise UserError(f"text data is byte-level and needs vocab_size ≥ 256; the model has {vocab_size}")
   data = path.read_bytes()
   _check_utf8(data, where)
   return TokenWindows(np.frombuffer(data, dtype=np.uint8), vocab_size, seq_len, where)
-
-
-def _token_file(path, dtype, where):
-  size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
-  if size == 0:
-    raise ValueError(f"{where} is empty")
-  if size % itemsize:
-    raise ValueError(f"{where} holds {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each): "
-                     "is data.token_dtype right?")
-  return np.memmap(path, dtype=dtype, mode="r")
 
 
 UTF8_CHUNK = 1 << 24  # bytes decoded at a time when checking a text file
@@ -106,8 +150,8 @@ def _check_utf8(data, where):
     try:
       decoder.decode(view[start:start + UTF8_CHUNK], final=start + UTF8_CHUNK >= len(data))
     except UnicodeDecodeError as err:
-      raise ValueError(f"{where} is not UTF-8 text (near byte {start + err.start}); data.kind=text reads text, "
-                       "data.kind=tokens token ids") from None
+      raise UserError(f"{where} is not UTF-8 text (near byte {start + err.start}); data.kind=text reads text, "
+                      "data.kind=tokens token ids") from None
 
 
 def _tokenized_text(data_config, vocab_size, seq_len):
@@ -118,12 +162,12 @@ def _tokenized_text(data_config, vocab_size, seq_len):
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("relaymoe: tokenized text cached")
     if not text.cache.exists():
-      raise ValueError(f"process {jax.process_index()} does not see the tokenised cache {text.cache} that process 0 "
-                       "wrote: put data.cache_dir on a filesystem all processes share")
+      raise UserError(f"process {jax.process_index()} does not see the tokenised cache {text.cache} that process 0 "
+                      "wrote: put data.cache_dir on a filesystem all processes share")
   try:
-    return TokenWindows(text.tokens(), vocab_size, seq_len, f"the tokenised data.path {data_config.path!r}")
+    return TokenFile(text.cache, text.dtype, vocab_size, seq_len, f"the tokenised data.path {data_config.path!r}")
   except ValueError as err:
     if "out of range" not in str(err):
       raise
-    raise ValueError(f"{err} (the tokenizer {data_config.tokenizer} has {text.vocab_size} ids: set "
-                     f"model.vocab_size ≥ {text.vocab_size})") from None
+    raise UserError(f"{err} (the tokenizer {data_config.tokenizer} has {text.vocab_size} ids: set "
+                    f"model.vocab_size ≥ {text.vocab_size})") from None

@@ -1,15 +1,18 @@
 """How the command-line tools end: errors a user can act on as one line and an exit status, bugs with their
-traceback. Shared by `relaymoe-train`, `relaymoe-plan` and `relaymoe-convert`."""
+traceback and a line saying so. Shared by `relaymoe-train`, `relaymoe-plan` and `relaymoe-convert`."""
 
-import pathlib
 import sys
 import traceback
 
+from relaymoe_jax.errors import UserError
 from train.checkpoints import CheckpointSaveFailed, CheckpointUnreadable
 from train.compile import StepDoesNotFit
+from train.data import DataChanged
 from train.metrics import LogWriteFailed
 from train.preempt import Stopped
 from train.rundir import RunDirectoryError
+
+BUG_STATUS = 1
 
 
 def run_cli(prog, args, body):
@@ -21,27 +24,26 @@ def run_cli(prog, args, body):
     sys.exit(130)
   except Exception as err:
     status = exit_status(err)
-    if status is None or args.debug:
+    if args.debug:
       raise
+    if status is None:
+      traceback.print_exc()
+      print(f"{prog}: this is a bug, not a problem with the input: please report it with the traceback above "
+            "(--debug is not needed to see it)", file=sys.stderr)
+      sys.exit(BUG_STATUS)
     print(f"{prog}: {'' if status > 128 else 'error: '}{err}", file=sys.stderr)
     sys.exit(status)
 
 
 def exit_status(err):
-  """The exit status of an error the user can act on from its message alone; None for a bug (a traceback)."""
+  """The exit status of an error the user can act on from its message alone; None for a bug (a traceback).
+
+  By class, never by where it was raised: JAX trims its own frames from tracebacks, so its errors raised while
+  tracing this project's code look raised by it."""
   if isinstance(err, Stopped):
     return err.exit_status
-  if isinstance(err, (FloatingPointError, CheckpointSaveFailed, LogWriteFailed)):  # failed while training
+  if isinstance(err, (FloatingPointError, CheckpointSaveFailed, LogWriteFailed, DataChanged)):  # failed training
     return 1
-  if isinstance(err, (RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
-    return 2
-  if isinstance(err, (ValueError, FileNotFoundError)) and _raised_here(err):
+  if isinstance(err, (UserError, RunDirectoryError, CheckpointUnreadable, StepDoesNotFit)):
     return 2
   return None
-
-
-def _raised_here(err):
-  """True when this project raised err itself (its message is written for users), not JAX or a library below."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  raiser = pathlib.Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
-  return any(raiser.is_relative_to(root / package) for package in ("train", "models", "relaymoe_jax"))

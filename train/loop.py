@@ -14,10 +14,11 @@ from flax import nnx
 import relaymoe_jax as rm
 from models import qwen3
 from relaymoe_jax.axes import EXPERT, TENSOR
+from relaymoe_jax.errors import MissingInput
 from train.checkpoints import Checkpoints
 from train.compile import check_fits, compile_step
 from train.config import RunConfig
-from train.data import make_source
+from train.data import DataChanged, data_change, data_stamp, make_source
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
@@ -28,7 +29,7 @@ from train.profile import StepProfiler, check_window
 from train.rundir import RunDirectory
 from train.sources import initial_params, model_config_for
 from train.step_parts import full_op_names
-from train.step import TrainState, make_optimizer, model_flops_per_token
+from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token
 
 
 def dispatch_plan(model_config, run_config, mesh):
@@ -66,14 +67,34 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False, profile=None):
   return history
 
 
+def _last_good(checkpoints):
+  """Where the run can continue from, once the saves in flight are done."""
+  checkpoints.finish()
+  latest = checkpoints.latest_step()
+  return (f"The last good checkpoint is step {latest} in {checkpoints.directory}" if latest is not None else
+          f"There is no checkpoint yet in {checkpoints.directory}")
+
+
+def _say_if_data_changed(run_config_path, stamp):
+  """A resume says so when the data file is not the one the run's checkpoints were trained on (size, time)."""
+  try:
+    before = json.loads(run_config_path.read_text()).get("data_file")
+  except (OSError, ValueError, AttributeError):
+    return
+  change = data_change(before, stamp)
+  if change:
+    print(change, flush=True)
+
+
 def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
-    raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints.directory}")
+    raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
   if profile:
     check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
   model_config = model_config_for(run_config)
   source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
-  run_config, remat_plan, step = resolve_remat(run_config)
+  stamp = data_stamp(run_config.data)
+  run_config, remat_plan, step = resolve_remat(run_config, resume)
   run_config, step = resolve_loss_chunk(run_config, step)
   if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
     log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
@@ -101,11 +122,13 @@ def _train(run_config, resume, checkpoints, stop, profile):
   peak = peak_tflops(run_config)
   plan = dispatch_plan(model_config, run_config, mesh)
   if jax.process_index() == 0:
+    if resume:
+      _say_if_data_changed(out / "run_config.json", stamp)
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
         entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict(),
-        remat_plan=remat_plan and remat_plan.as_dict()), indent=1, default=str))
+        remat_plan=remat_plan and remat_plan.as_dict(), data_file=stamp), indent=1, default=str))
     print(f"compiled in {compile_s:.1f} s: {size(memory['total_bytes'])} per device", flush=True)
     if plan:  # a ring of one moves nothing: no plan
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
@@ -119,14 +142,15 @@ def _train(run_config, resume, checkpoints, stop, profile):
   def settle(step, metrics):
     nonlocal window_start, window_steps
     values = host_scalars(metrics)
+    bad_ids = int(values.pop(BAD_IDS))
+    if bad_ids:
+      raise DataChanged(f"step {step}: {bad_ids} token ids of its batch are outside the vocabulary "
+                        f"(vocab_size={model_config.vocab_size}): data.path {run_config.data.path!r} changed under "
+                        f"the run; stopping. {_last_good(checkpoints)}")
     if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
-      checkpoints.finish()
-      latest = checkpoints.latest_step()
       raise FloatingPointError(
           f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
-          f"update norm {values['update_norm']}; stopping. " + (
-              f"The last good checkpoint is step {latest} in {checkpoints.directory}" if latest is not None else
-              f"There is no checkpoint yet in {checkpoints.directory}"))
+          f"update norm {values['update_norm']}; stopping. {_last_good(checkpoints)}")
     window_steps += 1
     if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
       return

@@ -8,21 +8,22 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from models.context_parallel import check_sequence, splits_sequences
 from models.sharding import MESH_AXES, TOKEN_AXES, batch_axes, batch_shards, batch_spec
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.errors import UserError
 
 
 def build_mesh(mesh_config, devices=None):
   devices = list(devices if devices is not None else jax.devices())
   sizes = [getattr(mesh_config, a) for a in MESH_AXES]
   if sizes.count(-1) > 1:
-    raise ValueError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
+    raise UserError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if len(devices) % known:
-      raise ValueError(f"{len(devices)} devices cannot be split as {dict(zip(MESH_AXES, sizes))}")
+      raise UserError(f"{len(devices)} devices cannot be split as {dict(zip(MESH_AXES, sizes))}")
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices; there are "
-                     f"{len(devices)}")
+    raise UserError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices; there are "
+                    f"{len(devices)}")
   return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -41,9 +42,9 @@ def run_mesh(run_config, devices=None):
   if run_config.micro_batch_size % shards:
     what = (f"batch_size={run_config.batch_size}" if run_config.micro_batches == 1 else
             f"the micro-batch (batch_size={run_config.batch_size} / micro_batches={run_config.micro_batches})")
-    raise ValueError(f"{what} does not split over the mesh's {shards} shards of rows "
-                     f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
-                     f"{shards}")
+    raise UserError(f"{what} does not split over the mesh's {shards} shards of rows "
+                    f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
+                    f"{shards}")
   if splits_sequences(runtime, mesh):
     check_sequence(run_config.seq_len, mesh.shape[EXPERT])
   return mesh

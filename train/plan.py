@@ -25,6 +25,7 @@ import jax
 
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.chunks import default_chunk_rows
+from relaymoe_jax.errors import UserError
 from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
 from train.config import RunConfig
 from train.mesh import build_mesh, token_shards
@@ -350,6 +351,6 @@ def budget_bytes(run_config, limit):
 def make_planner(run_config, log=print, devices=None, keep_steps=False):
   limit = device_limit_bytes(run_config)
   if limit is None:
-    raise ValueError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
-                     "(e.g. device_memory_gib=132 for 95% of an H200)")
+    raise UserError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
+                    "(e.g. device_memory_gib=132 for 95% of an H200)")
   return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps)

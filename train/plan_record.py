@@ -11,6 +11,8 @@ import pathlib
 
 import jax
 
+from models.qwen3_config import REMAT_POLICIES
+
 
 @dataclasses.dataclass
 class Plan:
@@ -71,16 +73,53 @@ def cached_plan_path(run_config, key):
   return pathlib.Path(os.path.expanduser(run_config.compilation_cache_dir)) / PLAN_CACHE / f"{key}.json"
 
 
-def stored_plan(path, key):
-  """The Plan stored at `path` under `key`, or None."""
+def stored_plan(path, key, num_layers, warn):
+  """The Plan stored at `path` under `key` (None: any key) for a model of `num_layers` layers, or None: where there
+  is none, another configuration's, or one that is not a whole plan (then after `warn`ing, naming the file)."""
   try:
-    stored = json.loads(path.read_text())
-  except (OSError, ValueError):
+    stored = json.loads(pathlib.Path(path).read_text())
+    if not isinstance(stored, dict) or sorted(stored) != ["key", "plan"]:
+      raise ValueError("not an object of a key and a plan")
+    return plan_from_dict(stored["plan"], num_layers) if key in (None, stored["key"]) else None
+  except FileNotFoundError:
     return None
-  if stored.get("key") != key:
+  except (OSError, ValueError) as err:  # a directory, unreadable, not JSON, not a plan
+    warn(f"warning: ignored the remat plan {path}: {getattr(err, 'strerror', None) or err}")
     return None
-  fields = {k: v for k, v in stored["plan"].items() if k != "summary"}
-  return Plan(**dict(fields, remat=tuple(fields["remat"]), compiles=[tuple(c) for c in fields["compiles"]]))
+
+
+REQUIRED = [f.name for f in dataclasses.fields(Plan)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+COUNTS = ("batch_size", "seq_len", "state_bytes", "temp_bytes", "total_bytes", "budget_bytes")
+
+
+def plan_from_dict(fields, num_layers):
+  """The Plan of a stored mapping, checked whole (every field of its type; for each of `num_layers` layers a known
+  policy) so that a damaged plan is never used nor copied."""
+  if not isinstance(fields, dict):
+    raise ValueError(f"the plan is a JSON {type(fields).__name__}, not an object")
+  fields = {k: v for k, v in fields.items() if k != "summary"}
+  known = [f.name for f in dataclasses.fields(Plan)]
+  missing, unknown = [k for k in REQUIRED if k not in fields], sorted(set(fields) - set(known))
+  if missing or unknown:
+    raise ValueError(f"the plan lacks {missing} or has unknown {unknown}")
+  remat = fields["remat"]
+  if not (isinstance(remat, list) and len(remat) == num_layers and all(p in REMAT_POLICIES for p in remat)):
+    raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)} for each of the {num_layers} layers")
+  compiles = fields.get("compiles", [])
+  wrong = [k for k in COUNTS if not _is_count(fields[k])]
+  wrong += [k for k in ("fits", "keep_gate_up") if not isinstance(fields.get(k, False), bool)]
+  wrong += [] if fields.get("max_chunk_rows") is None or _is_count(fields["max_chunk_rows"]) else ["max_chunk_rows"]
+  wrong += [] if isinstance(compiles, list) and all(
+      isinstance(c, list) and len(c) == 2 and isinstance(c[0], dict) and (c[1] is None or _is_count(c[1]))
+      for c in compiles) else ["compiles"]
+  if wrong:
+    raise ValueError(f"the plan's {wrong} are not of their types")
+  return Plan(**dict(fields, remat=tuple(remat), compiles=[tuple(c) for c in compiles]))
+
+
+def _is_count(value):
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def store_plan(path, key, plan):

@@ -9,6 +9,7 @@ from jax.experimental import topologies
 
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.errors import UserError
 from train.mesh import build_mesh
 from train.plan import make_planner
 
@@ -25,7 +26,7 @@ def variant_config(run_config, name):
   """The run under one of VARIANTS: `ring` keeps the run's dispatcher if it is a ring (else ring_expert); the
   all-to-alls keep only the grouped-matmul backend of the run's dispatcher options."""
   if name not in VARIANTS:
-    raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
+    raise UserError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
   runtime = run_config.runtime
   if VARIANTS[name] is None:
     ring = runtime.dispatcher if runtime.dispatcher.startswith(("ring", "auto")) else "ring_expert"
@@ -47,8 +48,8 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
   shards = batch_shards(mesh, run_config.runtime)
   if run_config.runtime.context_parallel:  # a sequence splits into 2 × expert chunks
     granule = math.lcm(granule or 1024, 2 * mesh.shape[EXPERT])
-  for name in variants:
-    config = variant_config(run_config, name)
+  configs = {name: variant_config(run_config, name) for name in variants}  # every name checked before a compile
+  for name, config in configs.items():
     log(f"{name} ({config.runtime.dispatcher}):")
     if maximize == "seq":
       planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), log, devices)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 
+from relaymoe_jax.errors import UserError
 from train.metrics import log_on_process_0
 from train.step_parts import module_name, render, step_parts
 from train.trace_events import find_trace, op_events
@@ -23,8 +24,8 @@ def parse_window(text):
   """Window of "START:COUNT" (START ≥ 0, COUNT ≥ 1); a ValueError naming `text` otherwise."""
   start, sep, count = text.partition(":")
   if not (sep and start.strip().isdigit() and count.strip().isdigit() and int(count) >= 1):
-    raise ValueError(f"--profile {text!r}: expected START:COUNT, the first step to profile and how many (integers, "
-                     "COUNT at least 1), e.g. --profile 2:3")
+    raise UserError(f"--profile {text!r}: expected START:COUNT, the first step to profile and how many (integers, "
+                    "COUNT at least 1), e.g. --profile 2:3")
   return Window(int(start), int(count))
 
 
@@ -32,8 +33,8 @@ def check_window(window, first_step, steps):
   """A ValueError unless the run's steps [first_step, steps) hold the window."""
   last = window.start + window.count - 1
   if window.start < first_step or last >= steps:
-    raise ValueError(f"--profile {window.start}:{window.count} profiles steps {window.start}-{last}, and this run "
-                     f"trains steps {first_step}-{steps - 1}")
+    raise UserError(f"--profile {window.start}:{window.count} profiles steps {window.start}-{last}, and this run "
+                    f"trains steps {first_step}-{steps - 1}")
 
 
 class StepProfiler:

@@ -1,33 +1,46 @@
 """`runtime.remat: auto` for the trainer: the plan recorded for this configuration (in the run directory, or this
 machine's plan cache beside the compilation cache), else a new plan, recorded; and the fit guard's suggestion."""
 
+import json
 import pathlib
 
 import jax
 
 from models.qwen3_config import REMAT_AUTO
+from relaymoe_jax.errors import UserError
 from train.compile import StepDoesNotFit
 from train.metrics import log_on_process_0, size
 from train.plan import apply_plan, make_planner
-from train.plan_record import PLAN_FILE, cached_plan_path, plan_key, store_plan, stored_plan
+from train.plan_record import PLAN_FILE, cached_plan_path, plan_from_dict, plan_key, store_plan, stored_plan
 from train.sources import model_config_for
 
 
-def resolve_remat(run_config):
+def resolve_remat(run_config, resume=False):
   """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep or
-  None where the plan was the run directory's); other runs unchanged, with None for both."""
+  None where the plan was a stored one); other runs unchanged, with None for both.
+
+  A `resume` keeps the plan the run's checkpoints were written with, whatever would be planned now (with
+  `scan_layers` the plan decides how layers stack, so another could not restore them), and records nothing in the
+  run directory: its `run_config.json`, written once the checkpoint has restored, records the plan."""
   if run_config.runtime.remat != REMAT_AUTO:
     return run_config, None, None
+  model_config = model_config_for(run_config)
+  layers, out = model_config.num_hidden_layers, pathlib.Path(run_config.out_dir)
+  own = _checkpoints_plan(out, layers) if resume else None
+  if own:
+    plan, where = own
+    log_on_process_0(f"remat auto: {plan.summary()}, the plan this run's checkpoints were written with ({where})")
+    return apply_plan(run_config, plan), plan, None
   planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
-  path = pathlib.Path(run_config.out_dir) / PLAN_FILE
-  key = plan_key(run_config, model_config_for(run_config), planner.budget_bytes)
+  path = None if resume else out / PLAN_FILE
+  key = plan_key(run_config, model_config, planner.budget_bytes)
   cached = cached_plan_path(run_config, key)
   for where in filter(None, (path, cached)):
-    plan = stored_plan(where, key)
+    plan = stored_plan(where, key, layers, log_on_process_0)
     if plan:
       log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                        f"{size(plan.budget_bytes)}), planned before for this configuration ({where})")
-      _record(plan, key, path, cached)
+      _record(plan, key, path, None if where == cached else cached)  # a read-only cache that holds it is fine
       return apply_plan(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
@@ -40,12 +53,36 @@ def resolve_remat(run_config):
   return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
 
 
-def _record(plan, key, path, cached=None):
-  """Keeps the plan in the run directory and, where given, this machine's plan cache: a cache that cannot be
-  written costs a warning, not the run."""
+def _checkpoints_plan(out, layers):
+  """(the plan the checkpoints in `out` were written with, where it was read) or None: the one in `out`'s
+  run_config.json (written once a run's checkpoint restored), else `out`'s plan record of any configuration."""
+  run_config = out / "run_config.json"
+  try:
+    recorded = json.loads(run_config.read_text()).get("remat_plan")
+  except FileNotFoundError:
+    recorded = None
+  except (OSError, ValueError, AttributeError) as err:
+    log_on_process_0(f"warning: ignored the remat plan in {run_config}: {getattr(err, 'strerror', None) or err}")
+    recorded = None
+  if recorded is not None:
+    try:
+      return plan_from_dict(recorded, layers), run_config
+    except ValueError as err:
+      log_on_process_0(f"warning: ignored the remat plan in {run_config}: {err}")
+  plan = stored_plan(out / PLAN_FILE, None, layers, log_on_process_0)
+  return plan and (plan, out / PLAN_FILE)
+
+
+def _record(plan, key, path, cached):
+  """Keeps the plan in the run directory (where given) and this machine's plan cache (where given): a cache that
+  cannot be written costs a warning, not the run."""
   if jax.process_index() != 0:
     return
-  store_plan(path, key, plan)
+  if path is not None:
+    try:
+      store_plan(path, key, plan)
+    except OSError as e:
+      raise UserError(f"cannot record the remat plan in {path} ({e.strerror or e})") from None
   if cached is None:
     return
   try:

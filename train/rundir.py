@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from relaymoe_jax.errors import UserError
+
 LOCK = ".lock"
 # What a run writes; --overwrite removes these and nothing else in the directory.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "run_config.json")
@@ -41,7 +43,7 @@ class RunDirectory:
 
   def __init__(self, out_dir, *, resume=False, overwrite=False):
     if resume and overwrite:
-      raise ValueError("--resume continues the run in the directory and --overwrite deletes it: pass one")
+      raise UserError("--resume continues the run in the directory and --overwrite deletes it: pass one")
     self.out = pathlib.Path(out_dir)
     self.resume, self.overwrite = resume, overwrite
     self.handle = None

@@ -15,6 +15,7 @@ from models import hf, qwen3
 from models.config import from_mapping, read_yaml
 from models.hf_config import config_from_hf
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, load_config, split_legacy
+from relaymoe_jax.errors import MissingInput, UserError
 from train.checkpoints import CheckpointUnreadable, first_line, read_failure
 from train.config import RunConfig
 
@@ -63,15 +64,15 @@ def _source(init_from):
   path = pathlib.Path(path).expanduser()
   expected = "config.json" if kind == "hf" else MODEL_YAML
   if not (path / expected).exists():
-    raise FileNotFoundError(f"init_from={init_from!r}: no {expected} in {path}")
+    raise MissingInput(f"init_from={init_from!r}: no {expected} in {path}")
   return kind, path
 
 
 def restore_params(path, model_config, runtime, mesh, stored=CONVERTED_RUNTIME):
   """Parameters saved by `relaymoe-convert` (laid out as `stored` says) into the layout `runtime` asks for."""
   if stored.scan_layers != runtime.scan_layers:
-    raise ValueError(f"{path} holds parameters laid out with runtime.scan_layers={stored.scan_layers}; run with "
-                     f"runtime.scan_layers={str(stored.scan_layers).lower()} to start from them")
+    raise UserError(f"{path} holds parameters laid out with runtime.scan_layers={stored.scan_layers}; run with "
+                    f"runtime.scan_layers={str(stored.scan_layers).lower()} to start from them")
   abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh, runtime=runtime)[1])
   with ocp.StandardCheckpointer() as checkpointer:
     try:

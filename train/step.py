@@ -57,6 +57,15 @@ def loss_fn(params, graphdef, tokens_BS1, model_config, fraction_E=None):
   return loss, dict(ce=ce, load_balancing_loss=balance, router_z_loss=aux["router_z_loss"], moe=aux.get("moe"))
 
 
+BAD_IDS = "token_ids_out_of_range"  # a metric the loop checks and does not log
+
+
+def bad_token_ids(tokens_BS1, model_config):
+  """How many ids of the batch are not in the vocabulary: the data's ids are checked once at the start, so these
+  come from a file changed under the run (the loss of a label outside the vocabulary is garbage, not an error)."""
+  return jnp.sum((tokens_BS1 < 0) | (tokens_BS1 >= model_config.vocab_size))
+
+
 def expert_load_metrics(moe):
   """Per MoE layer (lists over Y): tokens per expert as max/mean, min/mean and coefficient of variation, experts
   that got no token, the router's entropy (nats), pairs a capacity factor dropped; and `expert_tokens` [Y, E]."""
@@ -90,6 +99,7 @@ def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, m
         params = update_router_biases(params, state.params, moe.router.expert_counts_E, model_config, runtime)
       metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
                      learning_rate=schedule(state.step), **parts, **expert_load_metrics(moe))
+    metrics[BAD_IDS] = bad_token_ids(tokens_BS1, model_config)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step

@@ -23,6 +23,8 @@ import time
 import numpy as np
 from tokenizers import Tokenizer
 
+from relaymoe_jax.errors import UserError
+
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 BATCH_CHARS = 1 << 20  # characters per `encode_batch` call, so a large file is never one call
 CACHE_VERSION = 1  # in the key: bump when the cache's content for the same settings changes
@@ -36,12 +38,12 @@ class TokenizedText:
     self.input = pathlib.Path(data_config.path).resolve()
     tokenizer_path = pathlib.Path(data_config.tokenizer).expanduser()
     if not tokenizer_path.is_file():
-      raise ValueError(f"data.tokenizer {data_config.tokenizer!r} is not a file")
+      raise UserError(f"data.tokenizer {data_config.tokenizer!r} is not a file")
     tokenizer_bytes = tokenizer_path.read_bytes()
     try:
       self.tokenizer = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
     except Exception as err:  # tokenizers raises its own Exception subclass for every malformed file
-      raise ValueError(f"data.tokenizer {data_config.tokenizer!r} does not load: {err}") from None
+      raise UserError(f"data.tokenizer {data_config.tokenizer!r} does not load: {err}") from None
     self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
     self.eos = eos_id(self.tokenizer, data_config.eos_token, data_config.tokenizer)
     self.dtype = "uint16" if self.vocab_size <= 1 << 16 else "uint32"
@@ -76,10 +78,8 @@ class TokenizedText:
         f.flush()
         os.fsync(f.fileno())
       if not tokens:
-        raise ValueError(f"data.path {str(self.input)!r} holds no documents")
+        raise UserError(f"data.path {str(self.input)!r} holds no documents")
       os.replace(partial, self.cache)
-    except UnicodeDecodeError as err:
-      raise ValueError(f"data.path {str(self.input)!r} is not UTF-8: {err}") from None
     finally:
       partial.unlink(missing_ok=True)
     return tokens, documents
@@ -90,18 +90,20 @@ class TokenizedText:
       return
     print(f"tokenizing {self.input} with {self.config.tokenizer} into {self.cache}", flush=True)
     start = time.perf_counter()
-    tokens, documents = self.write_cache()
+    try:
+      tokens, documents = self.write_cache()
+    except OSError as err:  # a read-only directory, a full disk
+      where = "data.cache_dir" if self.config.cache_dir else "the input's directory (set data.cache_dir for another)"
+      raise UserError(f"cannot write the tokenised cache {self.cache} in {where}: "
+                      f"{err.strerror or err}") from None
     print(f"{tokens} tokens in {documents} documents ({time.perf_counter() - start:.1f} s)", flush=True)
-
-  def tokens(self):
-    return np.memmap(self.cache, dtype=self.dtype, mode="r")
 
 
 def eos_id(tokenizer, eos_token, tokenizer_name):
   """The id of `eos_token` (a name or an id), or, when it is "", of the first of EOS_NAMES the tokenizer has."""
   if isinstance(eos_token, int):
     if tokenizer.id_to_token(eos_token) is None:
-      raise ValueError(f"data.eos_token={eos_token} is not an id of the tokenizer {tokenizer_name}")
+      raise UserError(f"data.eos_token={eos_token} is not an id of the tokenizer {tokenizer_name}")
     return eos_token
   names = (eos_token,) if eos_token else EOS_NAMES
   for name in names:
@@ -109,35 +111,46 @@ def eos_id(tokenizer, eos_token, tokenizer_name):
     if found is not None:
       return found
   if eos_token:
-    raise ValueError(f"data.eos_token={eos_token!r} is not a token of the tokenizer {tokenizer_name}")
-  raise ValueError(f"the tokenizer {tokenizer_name} has none of the usual end-of-document tokens {list(EOS_NAMES)}: "
-                   "set data.eos_token to the name or id of the token to write after each document")
+    raise UserError(f"data.eos_token={eos_token!r} is not a token of the tokenizer {tokenizer_name}")
+  raise UserError(f"the tokenizer {tokenizer_name} has none of the usual end-of-document tokens {list(EOS_NAMES)}: "
+                  "set data.eos_token to the name or id of the token to write after each document")
+
+
+def utf8_lines(path):
+  """(line number, line) of a UTF-8 file; a byte that is not UTF-8 is named by its line and its byte in the file."""
+  offset = 0
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        yield number, raw.decode("utf-8").replace("\r\n", "\n")
+      except UnicodeDecodeError as err:
+        raise UserError(f"data.path {str(path)!r}, line {number}, byte {offset + err.start}: not UTF-8 "
+                        f"({err.reason})") from None
+      offset += len(raw)
 
 
 def jsonl_documents(path, field):
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {number}: not JSON ({err})") from None
-      text = record.get(field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        raise ValueError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
-      yield text
+  for number, line in utf8_lines(path):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as err:
+      raise UserError(f"{path}, line {number}: not JSON ({err})") from None
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+      raise UserError(f"{path}, line {number}: no string field {field!r} (data.text_field)")
+    yield text
 
 
 def text_documents(path, separator):
   lines = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      if line.strip() == separator:
-        yield "".join(lines).strip("\n")
-        lines = []
-      else:
-        lines.append(line)
+  for _, line in utf8_lines(path):
+    if line.strip() == separator:
+      yield "".join(lines).strip("\n")
+      lines = []
+    else:
+      lines.append(line)
   yield "".join(lines).strip("\n")
 
 
