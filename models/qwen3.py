@@ -28,7 +28,8 @@ from models.cudnn_attention import tile_kernels
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
 from models.router_state import bias_value, router_bias, router_losses
-from models.sharding import TOKEN_AXES, activation_spec, batch_axes, model_mesh, param_spec, sequence_axis
+from models.sharding import (TOKEN_AXES, activation_spec, batch_axes, make_param, model_mesh, runs_on_model_mesh,
+                             sequence_axis)
 from relaymoe_jax.axes import EXPERT, TENSOR
 
 LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
@@ -42,13 +43,6 @@ class _Layer(nnx.Module):
 
   def cast(self, p):
     return p[...].astype(self.runtime.dtype)
-
-
-def _make_param(config, runtime, mesh, rngs, role, shape, init="normal"):
-  initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
-      init, nnx.initializers.normal(config.initializer_range))
-  spec = tuple(param_spec(role, runtime))
-  return nnx.Param(initializer(rngs.params(), shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
 
 
 def rms_norm(x, weight, eps):
@@ -94,7 +88,7 @@ class RMSNorm(_Layer):
 
   def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
     super().__init__(config, runtime)
-    param = functools.partial(_make_param, config, runtime, mesh, rngs)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
     self.weight = param(role, (dim,), "ones")
 
   def __call__(self, x):
@@ -106,7 +100,7 @@ class Attention(_Layer):
 
   def __init__(self, config, runtime, mesh, rngs):
     super().__init__(config, runtime)
-    param = functools.partial(_make_param, config, runtime, mesh, rngs)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
     c = config
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
@@ -152,7 +146,7 @@ class DenseMLP(_Layer):
 
   def __init__(self, config, runtime, width, mesh, rngs):
     super().__init__(config, runtime)
-    param = functools.partial(_make_param, config, runtime, mesh, rngs)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
     d = config.hidden_size
     self.gate_DF, self.up_DF = param("mlp_in_DF", (d, width)), param("mlp_in_DF", (d, width))
     self.down_FD = param("mlp_out_FD", (width, d))
@@ -167,14 +161,15 @@ class MoE(_Layer):
 
   def __init__(self, config, runtime, mesh, rngs):
     super().__init__(config, runtime)
-    param = functools.partial(_make_param, config, runtime, mesh, rngs)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
     c = config
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
     self.mesh = mesh
     self.router_DE = param("router_DE", (d, e))
     self.w_gate_EDF, self.w_up_EDF = param("experts_in_EDF", (e, d, f)), param("experts_in_EDF", (e, d, f))
     self.w_down_EFD = param("experts_out_EFD", (e, f, d))
-    self.router_bias_E = router_bias(c, mesh)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # not a caller's context mesh
+      self.router_bias_E = router_bias(c, mesh)
     if c.shared_expert_intermediate_size:
       fs = c.shared_expert_intermediate_size
       self.shared_gate_DF, self.shared_up_DF = param("mlp_in_DF", (d, fs)), param("mlp_in_DF", (d, fs))
@@ -287,12 +282,16 @@ def per_layer_ndim(path, param):
 
 
 class Qwen3MoE(_Layer):
-  """The language model: `logits_BSV = model(tokens_BS)` (float32 logits)."""
+  """The language model: `logits_BSV = model(tokens_BS)` (float32 logits), with or without `jax.set_mesh` (any
+  mesh of its devices), on tokens sharded any way. The logits (and the other methods' outputs) are sharded B over
+  ('data', 'expert') (context parallelism: B over 'data', S over 'expert'), V whole: on the context's mesh (those
+  of these axes it has) under one, else on `self.mesh` (`model_mesh(mesh)`); see `models.sharding.on_model_mesh`.
+  """
 
   def __init__(self, config: Qwen3MoEConfig, runtime: RuntimeConfig = RuntimeConfig(), *, mesh, rngs):
     super().__init__(config, runtime)
     mesh = model_mesh(mesh)
-    param = functools.partial(_make_param, config, runtime, mesh, rngs)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
     self.mesh = mesh
     self.embed_VD = param("embed_VD", (config.vocab_size, config.hidden_size))
     self.layers = nnx.List([LayerStack(config, runtime, first, count, mesh, rngs) if runtime.scan_layers else
@@ -305,6 +304,7 @@ class Qwen3MoE(_Layer):
   def __call__(self, tokens_BS):
     return self.logits_and_aux(tokens_BS)[0]
 
+  @runs_on_model_mesh
   def logits_and_aux(self, tokens_BS):
     """(float32 logits [B, S, V], router losses: see `hidden_and_aux`)."""
     with _matmul_precision(self.runtime):
@@ -313,6 +313,7 @@ class Qwen3MoE(_Layer):
       with jax.named_scope("lm_head"):
         return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
 
+  @runs_on_model_mesh
   def cross_entropy_and_aux(self, tokens_BS, labels_BS):
     """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
@@ -323,6 +324,7 @@ class Qwen3MoE(_Layer):
                                 self._in_held_order(labels_BS))
       return self._in_sequence_order(ce_BS), aux
 
+  @runs_on_model_mesh
   def mean_cross_entropy_and_aux(self, tokens_BS, labels_BS):
     """(the mean of `cross_entropy_and_aux`'s cross-entropy, a float32 scalar, router losses). Chunked, its
     gradient is computed in the forward pass (`models.loss.mean_cross_entropy`): for a loss that ends in it."""
@@ -343,6 +345,7 @@ class Qwen3MoE(_Layer):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
     return self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
 
+  @runs_on_model_mesh
   def hidden_and_aux(self, tokens_BS):
     """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
     losses and statistics of the MoE layers: `models.router_state.router_losses`)."""

@@ -6,10 +6,14 @@ the ring runs. Under context parallelism the batch is split over 'data' and each
 parameter's PartitionSpec is in `PARAM_SPECS`, named by its role (shape letters: see `relaymoe_jax`).
 """
 
+import functools
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.errors import UserError
@@ -61,6 +65,16 @@ def param_spec(role, runtime):
   return P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
 
 
+def make_param(config, runtime, mesh, rngs, role, shape, init="normal"):
+  """An `nnx.Param` of `role` (`PARAM_SPECS`) on the model's `mesh`, whichever mesh context the caller is in."""
+  initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
+      init, nnx.initializers.normal(config.initializer_range))
+  spec = tuple(param_spec(role, runtime))
+  key = jax.device_put(rngs.params(), NamedSharding(mesh, P()))  # from a caller's context mesh onto the model's
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # where the parameter's sharding constraint is
+    return nnx.Param(initializer(key, shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
+
+
 def model_mesh(mesh):
   """The mesh the model places everything on: `mesh`'s devices as ('data', 'expert', 'tensor') with Auto axes.
 
@@ -80,3 +94,72 @@ def model_mesh(mesh):
   devices = np.transpose(mesh.devices, [names.index(a) for a in MESH_AXES if a in names])
   shape = tuple(mesh.shape.get(a, 1) for a in MESH_AXES)
   return Mesh(devices.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+
+def runs_on_model_mesh(method):
+  """A model method f(self, *arrays) -> (array, pytree) run through `on_model_mesh` on `self.mesh`, its array
+  placed as the model's activations (`activation_spec`)."""
+
+  @functools.wraps(method)
+  def run(model, *arrays):
+    return on_model_mesh(model.mesh, functools.partial(method, model), activation_spec(model.runtime), *arrays)
+
+  return run
+
+
+def on_model_mesh(mesh, f, spec, *arrays):
+  """f(*arrays) with `mesh` (the model's own: `model_mesh`) as the context mesh, whichever one the caller is under
+  (`jax.set_mesh`), so the model's sharding constraints and shard_maps agree with it.
+
+  Arrays typed on another mesh (a caller's context, Explicit or Auto) are moved onto `mesh`; f's results, an array
+  and a pytree, are moved back onto the caller's context mesh: the array sharded as `spec` (on `mesh`) says
+  over the axes that mesh has (its leading entries, for a rank below the spec's), the pytree replicated. With no context and no array typed on another mesh, f
+  runs as it is.
+  """
+  model = mesh.abstract_mesh
+  caller = jax.sharding.get_abstract_mesh()
+  foreign = [not m.empty and m != model for m in (jax.typeof(a).sharding.mesh for a in arrays)]
+  if (caller.empty or caller == model) and not any(foreign):
+    return f(*arrays)
+  arrays = [jax.device_put(a, NamedSharding(mesh, P())) if moved else a for a, moved in zip(arrays, foreign)]
+  with jax.sharding.use_abstract_mesh(model):
+    out, aux = f(*arrays)
+  if caller.empty or caller == model:
+    return out, aux
+  target = _concrete_or(caller)
+  kept = P(*(_axes_in(entry, caller.axis_names) for entry in tuple(spec)[:out.ndim]))
+  aux = jax.tree.map(lambda a: _moved(a, NamedSharding(target, P()), NamedSharding(mesh, P())), aux)
+  return _moved(out, NamedSharding(target, kept), NamedSharding(mesh, P(*tuple(spec)[:out.ndim]))), aux
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _moved(x, sharding, back):
+  """x moved to `sharding` on another mesh; its cotangent moved `back` (JAX's own transpose of a transfer leaves the
+  cotangent typed on the mesh it came from)."""
+  return jax.device_put(x, sharding)
+
+
+def _moved_fwd(x, sharding, back):
+  return jax.device_put(x, sharding), None
+
+
+def _moved_bwd(sharding, back, _, ct):
+  return (jax.device_put(ct, back),)
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
+
+
+def _concrete_or(abstract_mesh):
+  """The concrete context mesh outside `jit` (eager transfers need devices), else the abstract one."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside jit: JAX refuses the concrete mesh there
+    return abstract_mesh
+
+
+def _axes_in(entry, names):
+  """A PartitionSpec entry restricted to the axes in `names` (an axis the model has and a mesh lacks is size 1)."""
+  axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in names)
+  return axes[0] if len(axes) == 1 else axes or None

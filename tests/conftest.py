@@ -18,6 +18,7 @@ chex.set_n_cpu_devices(8)  # before any JAX operation: it rewrites XLA_FLAGS' ho
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import relaymoe_jax.testing as rmt  # noqa: E402
 
@@ -44,6 +45,21 @@ def mesh_of(shape, names, explicit=False):
   if explicit:
     return jax.make_mesh(shape, names, devices=devices)
   return jax.sharding.Mesh(devices.reshape(shape), names)
+
+
+CONTEXT_MESHES = {  # meshes a caller may hold under `jax.set_mesh`: (shape, axis names, Explicit axes)
+    "explicit": ((2, 4), ("data", "expert"), True),
+    "expert-only-explicit": ((8,), ("expert",), True),
+    "expert-only-auto": ((8,), ("expert",), False),
+    "auto": ((2, 4), ("data", "expert"), False),
+}
+
+
+def place_tokens(tokens, mesh, placement):
+  """Tokens [B, S] as a caller may pass them on `mesh`: unsharded (NumPy), rows over every axis of the mesh, or
+  the sequence over 'expert'."""
+  specs = {"rows": P(mesh.axis_names), "sequence": P(None, "expert")}
+  return tokens if placement == "unsharded" else jax.device_put(tokens, NamedSharding(mesh, specs[placement]))
 
 
 def assert_close(actual, expected, rtol, name=""):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from conftest import requires_devices
+from conftest import CONTEXT_MESHES, mesh_of, place_tokens, requires_devices
 import relaymoe_jax as rm
 from models import hf, hf_config, safetensors_io
 from models.qwen3_config import RuntimeConfig, load_config
@@ -116,6 +116,26 @@ def test_import_onto_an_explicit_mesh_without_tensor_gives_transformers_logits()
   model = hf.from_hf(FIXTURES / "qwen3_moe", mesh=mesh, runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
                      param_dtype="float32")
   assert np.abs(np.asarray(_logits(model, tokens)) - expected).max() <= LOGITS_ATOL
+
+
+HF_SET_MESH_DEFAULT = {("explicit", "rows"), ("expert-only-auto", "unsharded")}  # ~3 s each on 2 cores
+HF_SET_MESH_CASES = [pytest.param(k, p, marks=() if (k, p) in HF_SET_MESH_DEFAULT else pytest.mark.slow)
+                     for k in sorted(CONTEXT_MESHES) for p in ("unsharded", "rows")]
+
+
+@pytest.mark.parametrize("kind,placement", HF_SET_MESH_CASES)
+def test_import_under_jax_set_mesh_gives_transformers_logits(kind, placement):
+  """`from_hf` and the call under `jax.set_mesh` of an Explicit, expert-only or Auto mesh, tokens unsharded or
+  over rows: transformers' logits, on the context's mesh."""
+  tokens, expected = _reference("qwen3_moe")
+  shape, names, explicit = CONTEXT_MESHES[kind]
+  mesh = mesh_of(shape, names, explicit=explicit)
+  with jax.set_mesh(mesh):
+    model = hf.from_hf(FIXTURES / "qwen3_moe", mesh=mesh, runtime=RuntimeConfig(dtype="float32"),
+                       param_dtype="float32")
+    logits = _logits(model, place_tokens(tokens, mesh, placement))
+  assert logits.sharding.mesh == mesh
+  assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
 
 
 def _spec(array):

@@ -2,6 +2,7 @@
 every dispatcher against the dense oracle (loss and all gradients)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import assert_close, requires_devices
+from conftest import CONTEXT_MESHES, assert_close, mesh_of, place_tokens, requires_devices
 from models import qwen3
 from models.qwen3_config import RuntimeConfig, layer_groups, load_config
 from train.config import MeshConfig
@@ -219,3 +220,63 @@ def test_the_model_runs_on_explicit_meshes_and_meshes_without_data_or_tensor(mes
     np.testing.assert_allclose(logits_on(other), expected, rtol=1e-5, atol=1e-5, err_msg=str(other))
   with pytest.raises(ValueError, match="needs a mesh with an 'expert' axis"):
     qwen3.abstract(config, jax.make_mesh((8,), ("data",), devices=devices), runtime=F32)
+
+
+@functools.cache
+def _random_model(mesh_key=None):
+  """(graphdef, random float32 parameters as NumPy, tokens) of the tiny model: no compile to make them."""
+  config = load_config("tiny")
+  rng = np.random.default_rng(7)
+  _, state = qwen3.abstract(config, build_mesh(MeshConfig(data=2, expert=4)), runtime=F32)
+  params = jax.tree.map(lambda a: (0.2 * rng.standard_normal(a.shape)).astype(np.float32), nnx.to_pure_dict(state))
+  return config, params, rng.integers(0, config.vocab_size, (8, 16)).astype(np.int32)
+
+
+def _logits_on(mesh, tokens):
+  """The random tiny model's logits on `mesh` (its parameters placed as the model places them there)."""
+  config, params, _ = _random_model()
+  graphdef, state = qwen3.abstract(config, mesh, runtime=F32)
+  nnx.replace_by_pure_dict(state, jax.device_put(params, jax.tree.map(lambda a: a.sharding,
+                                                                      nnx.to_pure_dict(state))))
+  return _logits(nnx.merge(graphdef, state), tokens)
+
+
+_logits = nnx.jit(lambda model, tokens: model(tokens))
+
+
+@functools.cache
+def _no_context_logits():
+  return np.asarray(_logits_on(build_mesh(MeshConfig(data=2, expert=4)), _random_model()[2]))
+
+
+SET_MESH_DEFAULT = {("explicit", "rows"), ("expert-only-auto", "unsharded"), ("auto", "sequence"),
+                    ("expert-only-explicit", "sequence")}  # each mesh and each placement once: ~3 s each
+SET_MESH_CASES = [pytest.param(k, p, marks=() if (k, p) in SET_MESH_DEFAULT else pytest.mark.slow)
+                  for k in sorted(CONTEXT_MESHES) for p in ("unsharded", "rows", "sequence")]
+
+
+@pytest.mark.parametrize("kind,placement", SET_MESH_CASES)
+def test_the_model_runs_under_jax_set_mesh(kind, placement):
+  """Built and called under `jax.set_mesh` of an Explicit, expert-only or Auto mesh, on tokens unsharded or sharded
+  over rows or sequence: the logits of the same parameters on an Auto mesh without context (float32, 1e-5), on the
+  context's mesh with the batch over its token axes (the docstring's promise)."""
+  shape, names, explicit = CONTEXT_MESHES[kind]
+  mesh = mesh_of(shape, names, explicit=explicit)
+  expected = _no_context_logits()
+  with jax.set_mesh(mesh):
+    logits = _logits_on(mesh, place_tokens(_random_model()[2], mesh, placement))
+    batch_axes = tuple(a for a in ("data", "expert") if a in names)
+    assert logits.sharding.mesh == mesh
+    assert tuple(logits.sharding.spec)[:1] == (batch_axes[0] if len(batch_axes) == 1 else batch_axes,)
+  np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two eager constructions: ~12 s on 2 cores
+def test_the_model_is_built_eagerly_under_jax_set_mesh():
+  """`Qwen3MoE(...)` under an Explicit `jax.set_mesh` makes the parameters it makes without context."""
+  mesh = mesh_of((2, 4), ("data", "expert"), explicit=True)
+  config = load_config("tiny")
+  expected = nnx.to_pure_dict(nnx.state(qwen3.Qwen3MoE(config, F32, mesh=mesh, rngs=nnx.Rngs(0))))
+  with jax.set_mesh(mesh):
+    built = nnx.to_pure_dict(nnx.state(qwen3.Qwen3MoE(config, F32, mesh=mesh, rngs=nnx.Rngs(0))))
+  jax.tree.map(np.testing.assert_array_equal, built, expected)
