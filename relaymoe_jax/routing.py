@@ -40,10 +40,26 @@ def load_balancing_loss(auxes):
   """Hugging Face's load-balancing loss over several MoE layers: it concatenates every layer's router logits, so
   f_e and P_e are averaged over all (layer, token) rows before the product: E · Σ_e mean_l(f_le) · mean_l(P_le)
   (layers see the same tokens). Not the mean of the per-layer losses, which differs when layers route differently.
+
+  Args:
+    auxes: `RouterAux`es, or one: each of one layer (fraction_E [E]) or of stacked layers (fraction_E [L, E], as
+      `nn.scan` / `nnx.scan` stack what a scanned layer sows or returns).
+
+  Raises:
+    ValueError: an aux whose fraction_E or mean_prob_E is not [E] or [L, E], or auxes of different E.
   """
-  fraction_E = sum(a.fraction_E for a in auxes) / len(auxes)
-  prob_E = sum(a.mean_prob_E for a in auxes) / len(auxes)
-  return fraction_E.shape[0] * jnp.sum(fraction_E * prob_E)
+  auxes = [auxes] if isinstance(auxes, RouterAux) else list(auxes)
+  if not auxes:
+    raise ValueError("load_balancing_loss needs at least one RouterAux")
+  shapes = [(tuple(a.fraction_E.shape), tuple(a.mean_prob_E.shape)) for a in auxes]
+  num_experts = shapes[0][0][-1] if shapes[0][0] else None
+  for i, (fraction, prob) in enumerate(shapes):
+    if fraction != prob or len(fraction) not in (1, 2) or fraction[-1] != num_experts:
+      raise ValueError(f"auxes[{i}]: fraction_E {fraction} and mean_prob_E {prob} must both be [E] (one layer) or "
+                       f"[L, E] (stacked layers) with E={num_experts} as in auxes[0]")
+  fraction_LE = jnp.concatenate([a.fraction_E.reshape(-1, num_experts) for a in auxes])
+  prob_LE = jnp.concatenate([a.mean_prob_E.reshape(-1, num_experts) for a in auxes])
+  return num_experts * jnp.sum(jnp.mean(fraction_LE, 0) * jnp.mean(prob_LE, 0))
 
 
 def route(x_TD, router_DE, *, top_k, norm_topk_prob=True, bias_E=None):

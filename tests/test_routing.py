@@ -51,6 +51,23 @@ def test_load_balancing_loss_over_layers_concatenates_them_as_hugging_face():
   assert abs(per_layer_mean - lb_concat) > 1e-3 * lb_concat
 
 
+def test_load_balancing_loss_takes_stacked_layers_as_their_list():
+  """A scanned model's aux holds f and P as [L, E] (`nn.scan` / `nnx.scan` stack them): the loss of the list of its
+  layers, not E taken as L; a rank it cannot read is refused by name."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(40, 12)).astype(np.float32))
+  auxes = [rm.route(x, jnp.asarray(rng.normal(size=(12, 16)).astype(np.float32) * s), top_k=4)[2]
+           for s in (0.5, 2.0, 4.0)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+  expected = float(rm.load_balancing_loss(auxes))
+  np.testing.assert_allclose(float(rm.load_balancing_loss(stacked)), expected, rtol=1e-6)
+  np.testing.assert_allclose(float(rm.load_balancing_loss([stacked])), expected, rtol=1e-6)
+  two_scans = [jax.tree.map(lambda *a: jnp.stack(a), *auxes[:2]), auxes[2]]
+  np.testing.assert_allclose(float(rm.load_balancing_loss(two_scans)), expected, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"auxes\[0\]: fraction_E \(1, 3, 16\)"):
+    rm.load_balancing_loss(jax.tree.map(lambda a: a[None], stacked))
+
+
 def test_load_balancing_loss_is_k_under_uniform_router():
   """All-equal logits: P_e = 1/E and f_e = K/E, so E · Σ f·P = K, HF's value for perfectly balanced routing."""
   x = jnp.ones((32, 4))
