@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.moe import moe_ffn
+from relaymoe_jax.layout import ExpertLayout
+from relaymoe_jax.moe import make_dispatcher, moe_ffn
 from relaymoe_jax.routing import RouterAux, route
 
 
@@ -56,6 +57,31 @@ class BlockConfig:
   token_axes: tuple[str, ...] | None = None
   tensor_axis: str | None = None
   dtype: Any = None
+
+
+def block_config(layer_name, **fields):
+  """`BlockConfig(**fields)`, an unknown field refused naming the layer (not this class) and what it takes."""
+  known = [f.name for f in dataclasses.fields(BlockConfig)]
+  unknown = sorted(set(fields) - set(known))
+  if unknown:
+    raise ValueError(f"unknown argument(s) {unknown} for {layer_name}; it takes {known} (a dispatcher's own options, "
+                     "e.g. chunk_rows, go in dispatcher_options={...})")
+  return BlockConfig(**fields)
+
+
+def check_config(config, mesh):
+  """The project's own errors for what would otherwise fail inside JAX when parameters are placed: an expert
+  count or F the mesh does not divide, axes the mesh lacks, top_k out of range, an unknown dispatcher or option.
+  `mesh`: where the parameters go (None: no mesh to check against)."""
+  if not 1 <= config.top_k <= config.num_experts:
+    raise ValueError(f"top_k={config.top_k} must be between 1 and the number of experts E={config.num_experts}")
+  if isinstance(config.dispatcher, str):
+    make_dispatcher(config.dispatcher, **dict(config.dispatcher_options or {}))
+  if mesh is None or mesh.empty:
+    return
+  layout = ExpertLayout(mesh=mesh, expert_axis=config.expert_axis, token_axes=tuple(config.token_axes or ()),
+                        tensor_axis=config.tensor_axis)
+  layout.check_sizes(config.num_experts, config.d_ff)
 
 
 def param_shapes(config, d_model):

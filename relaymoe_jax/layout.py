@@ -61,6 +61,15 @@ class ExpertLayout:
         raise UserError(f"tensor_axis {self.tensor_axis!r} splits expert width and cannot also split tokens "
                         f"(token axes {self.token_axes}); pass token_axes without it")
 
+  def check_sizes(self, num_experts, d_ff):
+    """Raises ValueError unless the expert axis divides E and the tensor axis F."""
+    if num_experts % self.ring_size:
+      raise ValueError(f"E={num_experts} experts is not divisible by the size {self.ring_size} of expert axis "
+                       f"{self.expert_axis!r}")
+    if d_ff % self.tensor_size:
+      raise ValueError(f"F={d_ff} is not divisible by the size {self.tensor_size} of tensor axis "
+                       f"{self.tensor_axis!r}")
+
   @property
   def ring_size(self):
     return self.mesh.shape[self.expert_axis]

@@ -68,11 +68,7 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   wrong_dtypes = {name: str(dt) for name, dt in dtypes.items() if dt != x_TD.dtype}
   if wrong_dtypes:
     raise UserError(f"dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
-  n = layout.ring_size
-  if e % n:
-    raise UserError(f"E={e} experts is not divisible by the size {n} of expert axis {layout.expert_axis!r}")
-  if f % layout.tensor_size:
-    raise UserError(f"F={f} is not divisible by the size {layout.tensor_size} of tensor axis {layout.tensor_axis!r}")
+  layout.check_sizes(e, f)
   _check_expert_ids(idx_TK, e)
 
 

@@ -6,10 +6,11 @@ transform_metadata={nnx.PARTITION_NAME: None})` and run by `nnx.scan` keep a rep
 `nnx.get_partition_spec` gives their shardings. Shape letters: see relaymoe_jax.
 """
 
-from flax import nnx
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from relaymoe_jax.block import BlockConfig, moe_block, param_shapes
+from relaymoe_jax.block import block_config, check_config, moe_block, param_shapes
 
 
 class MoE(nnx.Module):
@@ -22,10 +23,15 @@ class MoE(nnx.Module):
     param_dtype: of the parameters; init_scale: weights ~ normal · init_scale / sqrt(fan-in).
     **block: `BlockConfig`'s fields: num_experts, top_k, d_ff, shared_d_ff, shared_gate, norm_topk_prob, mesh,
       dispatcher, dispatcher_options, expert_axis, token_axes, tensor_axis, dtype.
+
+  Raises:
+    ValueError: an unknown argument, top_k out of range, an unknown dispatcher or option, and (where there is a
+      mesh) axes it lacks or an E or d_ff it does not divide, named before any parameter is made.
   """
 
   def __init__(self, d_model, *, rngs, param_dtype=jnp.float32, init_scale=1.0, **block):
-    self.config = BlockConfig(**block)
+    self.config = block_config("rm.nnx.MoE", **block)
+    check_config(self.config, jax.sharding.get_abstract_mesh() if self.config.mesh is None else self.config.mesh)
     self.names = tuple(param_shapes(self.config, d_model))
     for name, (shape, spec, fan_in) in param_shapes(self.config, d_model).items():
       init = nnx.initializers.normal(init_scale / fan_in ** 0.5)

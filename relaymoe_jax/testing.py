@@ -228,7 +228,10 @@ def layer_values_and_grads(layer, x, *, variables=None, dispatcher=None, float32
     (_, y), (d_params, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
     return y, {"x": dx, "params": d_params}
 
-  return values_and_grads(params, x)
+  y, grads = values_and_grads(params, x)
+  if not isinstance(layer, nn.Module):  # plain arrays by name, as Linen's, not nnx.Param-wrapped
+    grads["params"] = nnx.to_pure_dict(grads["params"])
+  return y, grads
 
 
 def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotangent_seed=0):
@@ -249,7 +252,20 @@ def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotange
   chex.assert_shape(y, x.shape)
   chex.assert_type(y, config.dtype or x.dtype)
   y_ref, grads_ref = layer_values_and_grads(layer, x, dispatcher="dense", float32=True, **kw)
-  return assert_trees_close(dict(y=y, **grads), dict(y=y_ref, **grads_ref), rtol)
+  actual, expected = dict(y=y, **grads), dict(y=y_ref, **grads_ref)
+  try:
+    return assert_trees_close(actual, expected, rtol)
+  except AssertionError as e:
+    where = where_they_differ(_layer_named(actual), _layer_named(expected), rtol)
+    raise AssertionError(f"{e}; {where}") from None
+
+
+def _layer_named(outputs):
+  """A layer's output and gradients under `where_they_differ`'s names: token rows of y and dx, experts of the
+  expert weights' gradients."""
+  d = outputs["y"].shape[-1]
+  experts = {f"d{name}": g for name, g in outputs["params"].items() if name.startswith("w_") and name[-3] == "E"}
+  return dict(y_TD=outputs["y"].reshape(-1, d), dx_TD=outputs["x"].reshape(-1, d), **experts)
 
 
 def where_they_differ(actual, expected, rtol):

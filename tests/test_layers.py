@@ -133,3 +133,16 @@ def test_dispatcher_options_reach_the_block_and_drops_reach_aux():
   x = _x((8, 8, 8))
   y, aux = jax.jit(layer.apply)(jax.jit(layer.init)(jax.random.key(3), x), x)
   assert y.shape == x.shape and int(aux.dropped_pairs) > 0
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(num_experts=6), "E=6 experts is not divisible by the size 4 of expert axis 'experts'"),
+    (dict(expert_axis="expert"), "expert_axis 'expert' is not an axis of the mesh"),
+    (dict(chunk_rows=4), r"unknown argument\(s\) \['chunk_rows'\] for rm.nnx.MoE.*dispatcher_options"),
+    (dict(top_k=9), "top_k=9 must be between 1 and the number of experts E=8"),
+    (dict(dispatcher_options=dict(chunk_row=4)), r"unknown option\(s\) \['chunk_row'\]"),
+])
+def test_nnx_construction_errors_are_the_projects(changes, message):
+  """Named before any parameter is placed, as Linen and `moe_ffn` name them (not JAX's placement errors)."""
+  with pytest.raises(ValueError, match=message):
+    rm.nnx.MoE(8, **{**SIZES, "mesh": _mesh(False), "expert_axis": EXPERTS, **changes}, rngs=nnx.Rngs(0))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
@@ -83,6 +84,28 @@ def test_a_users_block_is_checked_and_a_permuted_expert_wrapper_is_caught_by_exp
   assert max(errors.values()) <= 1e-5
   with pytest.raises(AssertionError, match=r"experts that differ: \[2, 5\]; token rows that differ: \[\d"):
     rmt.assert_matches_dense_oracle(_permuted_experts, mesh=mesh, rtol=1e-5, **_inputs())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _SwappedExperts:
+  """A dispatcher with a bug: experts 2 and 5 swapped in the weights it computes with."""
+
+  def __call__(self, x_TD, idx_TK, w_TK, *weights, layout):
+    perm = jnp.array([0, 1, 5, 3, 4, 2, 6, 7])
+    return rm.Dense()(x_TD, idx_TK, w_TK, *(w[perm] for w in weights), layout=layout)
+
+
+def test_the_layer_check_names_experts_and_rows_and_returns_floats():
+  """The layer form names what the function form names; the NNX form's errors are floats by parameter name."""
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 8, 8)), jnp.float32)
+  layer = rm.nnx.MoE(8, num_experts=8, top_k=2, d_ff=12, mesh=mesh, dispatcher="dense", rngs=nnx.Rngs(0))
+  errors = rmt.assert_layer_matches_dense_oracle(layer, x, rtol=1e-5)
+  assert type(errors["y"]) is float and set(errors["params"]) == set(layer.names)
+  assert all(type(e) is float for e in errors["params"].values())  # not nnx.Param-wrapped
+  layer.config = dataclasses.replace(layer.config, dispatcher=_SwappedExperts())
+  with pytest.raises(AssertionError, match=r"experts that differ: \[2, 5\]; token rows that differ: \[\d"):
+    rmt.assert_layer_matches_dense_oracle(layer, x, rtol=1e-5)
 
 
 def test_where_they_differ_names_experts_and_rows():
