@@ -135,9 +135,32 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher or option,
       (where known) expert ids out of range, no mesh, and a call under `jax.vmap`.
   """
-  layout = ExpertLayout(mesh=context_mesh() if mesh is None else mesh, expert_axis=expert_axis,
-                        token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis)
-  dispatcher = _dispatcher_for(layout, dispatcher, options)
+  arrays = (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+  static = dict(mesh=context_mesh() if mesh is None else mesh, dispatcher=dispatcher, expert_axis=expert_axis,
+                token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis, return_stats=return_stats,
+                options=tuple(sorted(options.items())))
+  if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((arrays, shared, shared_gate_D1))) or \
+      not _hashable(static):
+    return _block(*arrays, shared=shared, shared_gate_D1=shared_gate_D1, **static)
+  # Eager: compiled once per static arguments and shapes, not traced op by op on every call (seconds each).
+  out = _compiled_block(*arrays, shared=shared, shared_gate_D1=shared_gate_D1, **static)
+  _check_expert_ids(idx_TK, w_gate_EDF.shape[0])  # after every other check (the trace's): it sees the ids traced
+  return out
+
+
+def _hashable(static):
+  try:
+    hash(tuple(static.values()))
+  except TypeError:
+    return False
+  return True
+
+
+def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shared_gate_D1, mesh, dispatcher,
+           expert_axis, token_axes, tensor_axis, return_stats, options):
+  """`moe_ffn` with its mesh resolved and its dispatcher options as sorted (name, value) pairs."""
+  layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis)
+  dispatcher = _dispatcher_for(layout, dispatcher, dict(options))
   _check_ranks(x_TD, idx_TK, w_TK)
   x_sharding, x_in = layout.caller_sharding(x_TD), x_TD
   x_TD, idx_TK, w_TK = (fold(layout, a) for a in (x_TD, idx_TK, w_TK))
@@ -151,6 +174,10 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     y_TD = y_TD + _shared_where_y_is(layout, x_TD, shared, shared_gate_D1)
   y = layout.restore(unfold(layout, y_TD, x_in), x_sharding)
   return (y, DispatchStats(dropped_pairs=dropped)) if return_stats else y
+
+
+_compiled_block = jax.jit(_block, static_argnames=("mesh", "dispatcher", "expert_axis", "token_axes", "tensor_axis",
+                                                   "return_stats", "options"))
 
 
 def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, count_drops):
