@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
@@ -130,9 +131,12 @@ class ExpertLayout:
     sharding = jax.typeof(x).sharding
     return sharding if self.explicit and not sharding.mesh.empty else None
 
-  def restore(self, y, sharding):
-    """y resharded to `sharding` from `caller_sharding` (None: y as it is)."""
-    return y if sharding is None else jax.sharding.reshard(y, sharding)
+  def restore(self, y, sharding, x):
+    """y sharded as x came: resharded to `sharding` from `caller_sharding`; on an Auto mesh, where the type carries
+    no sharding, tied to x's by XLA's sharding propagation (`shard_alike`)."""
+    if sharding is not None:
+      return jax.sharding.reshard(y, sharding)
+    return y if self.explicit else shard_alike(x, y)[1]
 
   def shard_map(self, f, in_specs, out_specs):
     return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)

@@ -66,5 +66,6 @@ def _placed(init, mesh, spec):
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh.empty or not any(t == AxisType.Explicit for t in mesh.axis_types):
     return init
-  sharding = NamedSharding(mesh, P(*spec)) if isinstance(mesh, jax.sharding.Mesh) else P(*spec)
-  return lambda key, shape, dtype: jax.sharding.reshard(init(key, shape, dtype), sharding)
+  if isinstance(mesh, jax.sharding.Mesh):  # a transfer names the devices, which a `jit` with no mesh context needs
+    return lambda key, shape, dtype: jax.device_put(init(key, shape, dtype), NamedSharding(mesh, P(*spec)))
+  return lambda key, shape, dtype: jax.sharding.reshard(init(key, shape, dtype), P(*spec))

@@ -128,8 +128,8 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
       (all_to_all), `backend=`.
 
   Returns:
-    y_TD, x's shape and dtype (with `return_stats`, `(y_TD, DispatchStats)`). On an Explicit mesh, sharded as x_TD
-    came (so a residual `x + y` type-checks); on an Auto mesh, over the token axes.
+    y_TD, x's shape and dtype (with `return_stats`, `(y_TD, DispatchStats)`), sharded as x_TD came: on an
+    Explicit mesh by its type (so a residual `x + y` type-checks), on an Auto mesh through XLA's propagation.
 
   Raises:
     ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher or option,
@@ -172,7 +172,7 @@ def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shar
                                  w_down_EFD, count_drops=return_stats)
   if shared is not None:
     y_TD = y_TD + _shared_where_y_is(layout, x_TD, shared, shared_gate_D1)
-  y = layout.restore(unfold(layout, y_TD, x_in), x_sharding)
+  y = layout.restore(unfold(layout, y_TD, x_in), x_sharding, x_in)
   return (y, DispatchStats(dropped_pairs=dropped)) if return_stats else y
 
 

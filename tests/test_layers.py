@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
@@ -146,3 +147,25 @@ def test_nnx_construction_errors_are_the_projects(changes, message):
   """Named before any parameter is placed, as Linen and `moe_ffn` name them (not JAX's placement errors)."""
   with pytest.raises(ValueError, match=message):
     rm.nnx.MoE(8, **{**SIZES, "mesh": _mesh(False), "expert_axis": EXPERTS, **changes}, rngs=nnx.Rngs(0))
+
+
+def test_linen_jit_init_on_an_explicit_mesh_without_a_mesh_context():
+  """`jax.jit(layer.init)` with no `jax.set_mesh`, as a plain `nn.Dense` allows: experts split over the expert
+  axis, and the layer then runs under `jax.jit(layer.apply)` with y sharded as x came."""
+  mesh = _mesh(True)
+  layer = rm.linen.MoE(**SIZES, mesh=mesh, expert_axis=EXPERTS)
+  x = jax.device_put(_x((8, 4, 8)), NamedSharding(mesh, P(ROWS)))
+  variables = jax.jit(layer.init)(jax.random.key(0), x)
+  assert tuple(variables["params"]["w_gate_EDF"].value.sharding.spec)[0] == EXPERTS
+  y, _ = jax.jit(layer.apply)(variables, x)
+  assert y.sharding.is_equivalent_to(x.sharding, x.ndim)
+
+
+@pytest.mark.parametrize("spec", [P(), P(ROWS), P(None, EXPERTS)], ids=["replicated", "rows", "sequence"])
+def test_on_an_auto_mesh_y_comes_back_sharded_as_x_came(spec):
+  """As on Explicit meshes (where the type says so), not over both token axes whatever x's sharding."""
+  mesh = _mesh(False)
+  layer = rm.nnx.MoE(8, **SIZES, mesh=mesh, expert_axis=EXPERTS, rngs=nnx.Rngs(0))
+  x = jax.device_put(_x((8, 4, 8)), NamedSharding(mesh, spec))
+  y, _ = nnx.jit(lambda m, x: m(x))(layer, x)
+  assert y.sharding.is_equivalent_to(x.sharding, x.ndim), (y.sharding, x.sharding)
