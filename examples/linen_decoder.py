@@ -14,6 +14,7 @@ import optax
 import relaymoe_jax as rm
 
 VOCAB, D, HEADS, LAYERS = 32, 16, 2, 2
+RULES = (("batch", "data"), ("embed", None), ("mlp", None))  # this model's own logical axis rules
 
 
 class Block(nn.Module):
@@ -47,7 +48,11 @@ def train(steps=5, seed=0):
   start = np.random.default_rng(seed).integers(0, VOCAB, size=(8, 1))
   tokens_BS = jnp.asarray((start + np.arange(9)) % VOCAB, jnp.int32)
   with jax.set_mesh(mesh):
-    params = jax.jit(model.init)(jax.random.key(seed), tokens_BS[:, :-1])["params"]
+    # Shardings as a logical-rules model gets them (lm1b, MaxText): the MoE layer's parameters name mesh axes, kept
+    # only where the rules map each name to itself, which `rm.linen.axis_rules()` adds.
+    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(seed), tokens_BS[:, :-1]))
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES + rm.linen.axis_rules())
+    params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(seed), tokens_BS[:, :-1])["params"]
     opt = optax.adam(1e-2)
     opt_state = opt.init(params)
 

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.block import BlockConfig, moe_block, param_shapes
+from relaymoe_jax.block import BlockConfig, axis_rules, check_experts_split, moe_block, param_shapes
 
 AUX_NAME = "moe_aux"  # the `sow`n name, in the "intermediates" collection
+__all__ = ["AUX_NAME", "MoE", "axis_rules"]
 
 
 class MoE(nn.Module):
@@ -52,9 +53,13 @@ class MoE(nn.Module):
   def __call__(self, x):
     config = self.block_config()
     params = {}
+    mesh = jax.sharding.get_abstract_mesh() if self.mesh is None else self.mesh
     for name, (shape, spec, fan_in) in param_shapes(config, x.shape[-1]).items():
       init = _placed(nn.initializers.normal(self.init_scale / fan_in ** 0.5), self.mesh, spec)
-      params[name] = self.param(name, nn.with_partitioning(init, spec), shape, self.param_dtype)
+      boxed = self.param(name, nn.with_partitioning(init, spec), shape, self.param_dtype, unbox=False)
+      if spec[0] == config.expert_axis:  # before unboxing, whose constraint would fail with JAX's own message
+        check_experts_split(name, boxed.value if isinstance(boxed, nn.Partitioned) else boxed, config, mesh)
+      params[name] = nn.unbox(boxed)
     y, aux = moe_block(config, jax.tree.map(jnp.asarray, params), x)
     self.sow("intermediates", AUX_NAME, aux)
     return y, aux

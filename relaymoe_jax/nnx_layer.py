@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relaymoe_jax.block import block_config, check_config, moe_block, param_shapes
+from relaymoe_jax.block import axis_rules, block_config, check_config, check_experts_split, moe_block, param_shapes
+
+__all__ = ["MoE", "axis_rules"]
 
 
 class MoE(nnx.Module):
@@ -39,4 +41,7 @@ class MoE(nnx.Module):
       setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=spec, **on_mesh))
 
   def __call__(self, x):
-    return moe_block(self.config, {name: getattr(self, name)[...] for name in self.names}, x)
+    params = {name: getattr(self, name)[...] for name in self.names}
+    mesh = jax.sharding.get_abstract_mesh() if self.config.mesh is None else self.config.mesh
+    check_experts_split("w_gate_EDF", params["w_gate_EDF"], self.config, mesh)
+    return moe_block(self.config, params, x)

@@ -169,3 +169,36 @@ def test_on_an_auto_mesh_y_comes_back_sharded_as_x_came(spec):
   x = jax.device_put(_x((8, 4, 8)), NamedSharding(mesh, spec))
   y, _ = nnx.jit(lambda m, x: m(x))(layer, x)
   assert y.sharding.is_equivalent_to(x.sharding, x.ndim), (y.sharding, x.sharding)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_logical_axis_rules_without_the_expert_axis_are_named(explicit):
+  """A Linen model that maps specs through `nn.logical_to_mesh_sharding(specs, mesh, rules)` (lm1b, MaxText) keeps
+  the experts split only with `rm.linen.axis_rules(...)` in its rules; without them the layer raises naming the
+  rule to add (Explicit axes: in the jitted call, from the type; Auto axes: where the arrays are concrete)."""
+  mesh = _mesh(explicit)
+  layer = rm.linen.MoE(**SIZES, mesh=mesh, expert_axis=EXPERTS)
+  x = _x((8, 4, 8))
+  user_rules = (("batch", ROWS), ("embed", None))
+  specs = nn.get_partition_spec(jax.eval_shape(layer.init, jax.random.key(0), x))
+
+  def init(rules):
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    return jax.jit(layer.init, out_shardings=shardings)(jax.random.key(0), x)
+
+  good = init(user_rules + rm.linen.axis_rules(EXPERTS))
+  assert tuple(good["params"]["w_gate_EDF"].value.sharding.spec)[0] == EXPERTS
+  replicated = init(user_rules)
+  apply = jax.jit(layer.apply) if explicit else layer.apply
+  with pytest.raises(ValueError, match=r"w_gate_EDF \(8, 8, 12\) is not split over expert axis 'experts'.*add "
+                                       r"\(\('experts', 'experts'\),\) to the rules"):
+    apply(replicated, x)
+
+
+def test_nnx_layer_with_experts_placed_whole_is_named():
+  """The same check in NNX: expert weights placed replicated (by rules without the expert axis) are refused."""
+  mesh = _mesh(False)
+  layer = rm.nnx.MoE(8, **SIZES, mesh=mesh, expert_axis=EXPERTS, rngs=nnx.Rngs(0))
+  layer.w_gate_EDF.set_value(jax.device_put(layer.w_gate_EDF[...], NamedSharding(mesh, P())))
+  with pytest.raises(ValueError, match="w_gate_EDF .* is not split over expert axis 'experts'"):
+    layer(_x())
