@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.errors import UserError
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.moe import make_dispatcher, moe_ffn
 from relaymoe_jax.routing import RouterAux, route
@@ -64,7 +65,7 @@ def block_config(layer_name, **fields):
   known = [f.name for f in dataclasses.fields(BlockConfig)]
   unknown = sorted(set(fields) - set(known))
   if unknown:
-    raise ValueError(f"unknown argument(s) {unknown} for {layer_name}; it takes {known} (a dispatcher's own options, "
+    raise UserError(f"unknown argument(s) {unknown} for {layer_name}; it takes {known} (a dispatcher's own options, "
                      "e.g. chunk_rows, go in dispatcher_options={...})")
   return BlockConfig(**fields)
 
@@ -74,7 +75,7 @@ def check_config(config, mesh):
   count or F the mesh does not divide, axes the mesh lacks, top_k out of range, an unknown dispatcher or option.
   `mesh`: where the parameters go (None: no mesh to check against)."""
   if not 1 <= config.top_k <= config.num_experts:
-    raise ValueError(f"top_k={config.top_k} must be between 1 and the number of experts E={config.num_experts}")
+    raise UserError(f"top_k={config.top_k} must be between 1 and the number of experts E={config.num_experts}")
   if isinstance(config.dispatcher, str):
     make_dispatcher(config.dispatcher, **dict(config.dispatcher_options or {}))
   if mesh is None or mesh.empty:
@@ -92,7 +93,7 @@ def axis_rules(expert_axis=EXPERT, tensor_axis=None):
 
 
 def check_experts_split(name, w, config, mesh):
-  """Raises ValueError where `w`'s sharding is known (a concrete array, or a traced one on Explicit axes) and does
+  """Raises UserError where `w`'s sharding is known (a concrete array, or a traced one on Explicit axes) and does
   not split dim 0 (experts) over the expert axis: every device would hold every expert."""
   if mesh is None or mesh.empty or config.expert_axis not in mesh.axis_names or mesh.shape[config.expert_axis] == 1:
     return
@@ -102,7 +103,7 @@ def check_experts_split(name, w, config, mesh):
     return  # unknown here: a single-device array, or an Auto type inside a trace
   first = tuple(sharding.spec)[0] if len(sharding.spec) else None
   if config.expert_axis not in ((first,) if isinstance(first, str) else tuple(first or ())):
-    raise ValueError(
+    raise UserError(
         f"{name} {tuple(w.shape)} is not split over expert axis {config.expert_axis!r} (its sharding: "
         f"{sharding.spec}): every device would hold all {w.shape[0]} experts. Under logical axis rules "
         f"(nn.logical_to_mesh_sharding), add {axis_rules(config.expert_axis, config.tensor_axis)} to the rules "

@@ -63,12 +63,12 @@ class ExpertLayout:
                         f"(token axes {self.token_axes}); pass token_axes without it")
 
   def check_sizes(self, num_experts, d_ff):
-    """Raises ValueError unless the expert axis divides E and the tensor axis F."""
+    """Raises UserError unless the expert axis divides E and the tensor axis F."""
     if num_experts % self.ring_size:
-      raise ValueError(f"E={num_experts} experts is not divisible by the size {self.ring_size} of expert axis "
+      raise UserError(f"E={num_experts} experts is not divisible by the size {self.ring_size} of expert axis "
                        f"{self.expert_axis!r}")
     if d_ff % self.tensor_size:
-      raise ValueError(f"F={d_ff} is not divisible by the size {self.tensor_size} of tensor axis "
+      raise UserError(f"F={d_ff} is not divisible by the size {self.tensor_size} of tensor axis "
                        f"{self.tensor_axis!r}")
 
   @property

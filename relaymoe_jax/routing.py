@@ -50,12 +50,12 @@ def load_balancing_loss(auxes):
   """
   auxes = [auxes] if isinstance(auxes, RouterAux) else list(auxes)
   if not auxes:
-    raise ValueError("load_balancing_loss needs at least one RouterAux")
+    raise UserError("load_balancing_loss needs at least one RouterAux")
   shapes = [(tuple(a.fraction_E.shape), tuple(a.mean_prob_E.shape)) for a in auxes]
   num_experts = shapes[0][0][-1] if shapes[0][0] else None
   for i, (fraction, prob) in enumerate(shapes):
     if fraction != prob or len(fraction) not in (1, 2) or fraction[-1] != num_experts:
-      raise ValueError(f"auxes[{i}]: fraction_E {fraction} and mean_prob_E {prob} must both be [E] (one layer) or "
+      raise UserError(f"auxes[{i}]: fraction_E {fraction} and mean_prob_E {prob} must both be [E] (one layer) or "
                        f"[L, E] (stacked layers) with E={num_experts} as in auxes[0]")
   fraction_LE = jnp.concatenate([a.fraction_E.reshape(-1, num_experts) for a in auxes])
   prob_LE = jnp.concatenate([a.mean_prob_E.reshape(-1, num_experts) for a in auxes])
