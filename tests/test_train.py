@@ -63,7 +63,7 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   batch = SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16)
-  tokens = global_batch(batch, mesh, RuntimeConfig())
+  tokens = global_batch({"tokens": batch}, mesh, RuntimeConfig())
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
   state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
   new_state, metrics = step(state, tokens)
