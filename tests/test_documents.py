@@ -17,6 +17,8 @@ from flax import nnx
 
 from conftest import assert_close, requires_devices
 from models import qwen3
+from models.attention import attention
+from models.cudnn_attention import CUDNN_TILES, tile_kernels
 from models.context_parallel import XLA_TILES, balanced_order, context_attention
 from models.qwen3_config import RuntimeConfig, load_config
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
@@ -174,3 +176,33 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
   assert [s for s, _, _ in first] == [1, 3, 5] and all(t == 2 * 8 * 16 for _, _, t in first)
   assert first == eval_records("b")
   assert eval_records("b", resume=True) == first
+
+
+@pytest.mark.gpu
+def test_cudnn_attends_within_documents():
+  """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention and its
+  context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and gradients,
+  against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it lies."""
+  if jax.default_backend() != "gpu" or tile_kernels("auto", "gpu", jnp.bfloat16) is not CUDNN_TILES:
+    pytest.skip("cuDNN attends on a GPU with cuDNN; run `pytest -m gpu` there")
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, 2048, h, 128)), jnp.bfloat16) for h in (8, 2, 2, 8))
+  segments = jnp.asarray(np.cumsum(rng.random((2, 2048)) < 1 / 300, axis=1), jnp.int32)
+  scale = 128 ** -0.5
+  paths = dict(
+      cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
+      cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
+                                                    segment_ids_BS=segments))
+  as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+  ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: attention(q, k, v, scale, "xla", "gpu", segments)), *as_f32[:3])
+  for name, f in paths.items():
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    for part, g, r in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), (ref_out, *ref_vjp(as_f32[3]))):
+      assert_close(g.astype(jnp.float32), r, 2e-2, f"{name} {part}")
+  runtime = RuntimeConfig(dtype="bfloat16", attention_implementation="cudnn", loss_chunk_tokens=8)
+  graphdef, state = nnx.split(qwen3.create_sharded(CONFIG, mesh, seed=0, runtime=runtime))
+  tokens, segments, starts = _packed_rows()
+  logits = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, segments))(state)
+  for row, start in enumerate(starts[1:], 1):
+    assert_close(logits[row, start:start + L], logits[0, :L], 2e-2, f"logits at {start}")
