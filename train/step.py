@@ -83,9 +83,9 @@ def expert_load_metrics(moe):
 
 def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, micro_batches=1,
                     param_shardings=None):
-  """train_step(state, batch) -> (state, metrics) (`batch`: `train.data.documents`); jit it with the state donated. `micro_batches` > 1:
-  gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums). `runtime`: the model's
-  (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
+  """train_step(state, batch) -> (state, metrics) (`batch`: `train.data.documents`); jit it with the state donated.
+  `micro_batches` > 1: gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums).
+  `runtime`: the model's (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
 
   def train_step(state, batch):
     if micro_batches == 1:
