@@ -17,6 +17,11 @@ The gathered rows stay in the devices' order (a key tile is found by arithmetic)
 reduce-scatter copies a full-sequence array to reorder it. Heads stay split over 'tensor' where the K/V heads divide
 over it (else every tensor device computes all heads) and batch rows over 'data'.
 
+Packed documents (`segment_ids_BS`, non-decreasing along each row): the segment ids are gathered with K and V
+(4 bytes a token), a pair is masked to its same-segment scores, and the key tiles wholly before the first document
+of a query tile (in every row of the device's batch) are skipped: the loops start at the first key tile that
+document reaches.
+
 Shape letters: see `relaymoe_jax`; C the tokens of one chunk, A and W the rows of a query and a key tile.
 """
 
@@ -102,7 +107,7 @@ def unflatten_tokens(x_TD, batch, seq_len, mesh):
   return x_TD.reshape(nd, ne, batch // nd, seq_len // ne, -1).swapaxes(1, 2).reshape(batch, seq_len, -1)
 
 
-def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, kernels=None, tile=None):
+def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, kernels=None, tile=None, segment_ids_BS=None):
   """Causal GQA attention of sequences laid out in `balanced_order` over the mesh's 'expert' axis.
 
   Args:
@@ -113,6 +118,7 @@ def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, kernels=None, tile
     kernels: the `TileKernels` that attend one (query tile, key tile) pair; `XLA_TILES` when None.
     tile: the most rows of a query or key tile (`tile_rows` of the chunk length is used); the kernels' own
       `tile` when None.
+    segment_ids_BS: int, in `balanced_order` like q; a query sees only keys of its own segment. None: one.
 
   Returns:
     [B, S, Q, Z] in q's dtype and layout; differentiable in q, k and v.
@@ -125,18 +131,21 @@ def context_attention(q_BSQZ, k_BSJZ, v_BSJZ, *, mesh, scale, kernels=None, tile
   chunk = q_BSQZ.shape[1] // (2 * ring)
   local = functools.partial(_attention, ring=ring, scale=scale, tile=tile_rows(chunk, tile or kernels.tile),
                             kernels=kernels)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
-      q_BSQZ, k_BSJZ, v_BSJZ)
+  segments_spec = None if segment_ids_BS is None else P(DATA, EXPERT)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, segments_spec), out_specs=spec,
+                       check_vma=False)(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
 
 
 class TileKernels(NamedTuple):
   """Attention of one (query tile, key tile) pair, the unit the shard's loops are made of.
 
-  forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale) → (o_BAQZ, lse_BQA): the pair's softmax-normalised output
-    (any float dtype) and float32 row logsumexp; `causal` masks the diagonal pair (the two tiles start at the same
-    position), otherwise every key is seen.
-  backward(q, k, v, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale) → (dq, dk, dv): the flash-attention backward of
-    the pair given the output and logsumexp of the whole row (so the pairs' gradients add up to the row's).
+  forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW) → (o_BAQZ, lse_BQA): the pair's softmax-normalised
+    output (any float dtype) and float32 row logsumexp; `causal` masks the diagonal pair (the two tiles start at the
+    same position), otherwise every key is seen; `mask_BAW` (bool, or None) hides the keys a query may not see (a
+    row that sees none of the pair's keys contributes nothing when merged).
+  backward(q, k, v, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale, mask_BAW) → (dq, dk, dv): the flash-attention
+    backward of the pair given the output and logsumexp of the whole row (so the pairs' gradients add up to the
+    row's).
   """
   name: str
   forward: Callable
@@ -148,30 +157,35 @@ def _grouped(q_AQZ, kv_heads):
   return q_AQZ.reshape(*q_AQZ.shape[:-2], kv_heads, q_AQZ.shape[-2] // kv_heads, q_AQZ.shape[-1])
 
 
-def _xla_scores(q_BAJGZ, k_BWJZ, causal, scale):
-  """Float32 scores [B, J, G, A, W]; on the diagonal pair a key after its query is −inf."""
+def _xla_scores(q_BAJGZ, k_BWJZ, causal, scale, mask_BAW):
+  """Float32 scores [B, J, G, A, W]; on the diagonal pair a key after its query is −inf, as is a masked key."""
   s = jnp.einsum("bajgz,bwjz->bjgaw", q_BAJGZ, k_BWJZ, preferred_element_type=jnp.float32) * scale
   if causal:
     s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+  if mask_BAW is not None:
+    s = jnp.where(mask_BAW[:, None, None], s, -jnp.inf)
   return s
 
 
-def _xla_forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale):
+def _xla_forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW=None):
   b, a, q_heads, z = q_BAQZ.shape
-  s = _xla_scores(_grouped(q_BAQZ, k_BWJZ.shape[2]), k_BWJZ, causal, scale)
-  m = s.max(-1)  # finite: every row sees at least its diagonal key
+  s = _xla_scores(_grouped(q_BAQZ, k_BWJZ.shape[2]), k_BWJZ, causal, scale, mask_BAW)
+  m = s.max(-1)  # finite where a row sees a key: always on the diagonal pair, not always with a mask
+  if mask_BAW is not None:
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m[..., None])
   l = p.sum(-1)
   o = jnp.einsum("bjgaw,bwjz->bajgz", p.astype(v_BWJZ.dtype), v_BWJZ, preferred_element_type=jnp.float32)
-  return (o / jnp.einsum("bjga->bajg", l)[..., None]).reshape(b, a, q_heads, z), (m + jnp.log(l)).reshape(
-      b, q_heads, a)
+  seen = l if mask_BAW is None else jnp.where(l > 0, l, 1.0)  # a row that sees no key: 0, and a logsumexp of −inf
+  o = o / jnp.einsum("bjga->bajg", seen)[..., None]
+  return o.reshape(b, a, q_heads, z), (m + jnp.log(l)).reshape(b, q_heads, a)
 
 
-def _xla_backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale):
+def _xla_backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale, mask_BAW=None):
   j = k_BWJZ.shape[2]
   q_BAJGZ, do_BAJGZ = _grouped(q_BAQZ, j), _grouped(do_BAQZ, j)
   f32 = dict(preferred_element_type=jnp.float32)  # products in the inputs' dtype, sums in float32
-  p = jnp.exp(_xla_scores(q_BAJGZ, k_BWJZ, causal, scale) - _grouped_lse(lse_BQA, j)[..., None])
+  p = jnp.exp(_xla_scores(q_BAJGZ, k_BWJZ, causal, scale, mask_BAW) - _grouped_lse(lse_BQA, j)[..., None])
   delta_BJGA = jnp.einsum("bajgz,bajgz->bjga", do_BAJGZ, _grouped(o_BAQZ, j), **f32)
   dv = jnp.einsum("bjgaw,bajgz->bwjz", p.astype(do_BAJGZ.dtype), do_BAJGZ, **f32)
   dp = jnp.einsum("bajgz,bwjz->bjgaw", do_BAJGZ, v_BWJZ, **f32)
@@ -188,9 +202,9 @@ def _grouped_lse(lse_BQA, kv_heads):
 XLA_TILES = TileKernels(name="xla", forward=_xla_forward, backward=_xla_backward, tile=DEFAULT_TILE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels):
+  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels)[0]
 
 
 def _gather(x_BSJZ):
@@ -223,40 +237,71 @@ def _diagonal_tile(t, rows, tile, ring):
   return start // tile
 
 
-def _forward(q_BSQZ, k_BSJZ, v_BSJZ, ring, scale, tile, kernels):
+class _Segments(NamedTuple):
+  """A device's view of the packed documents: its own segment ids and every device's (gathered)."""
+  own_BS: jax.Array
+  all_BS: jax.Array
+
+  def diagonal_mask(self, t, tile):
+    own_BA = _rows(self.own_BS, t, tile)
+    return own_BA[:, :, None] == own_BA[:, None, :]
+
+  def mask(self, t, w, tile, ring):
+    return _rows(self.own_BS, t, tile)[:, :, None] == _key_rows(self.all_BS, w, tile, ring)[:, None, :]
+
+  def first_key_tile(self, t, tile, ring):
+    """The first key tile that query tile t's first document reaches, in every row: those before it are skipped
+    (segment ids never decrease along a sequence)."""
+    tiles = self.all_BS.shape[1] // tile
+    last_BW = self.all_BS[:, _held_offset(jnp.arange(tiles), tile, self.all_BS.shape[1] // (2 * ring), ring)
+                          + tile - 1]
+    before_B = jnp.sum(last_BW < _rows(self.own_BS, t, tile)[:, :1], axis=1)
+    return jnp.min(before_B)
+
+
+def _segments(segments_BS):
+  return None if segments_BS is None else _Segments(segments_BS, _gather(segments_BS))
+
+
+def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels):
   """(out, residuals). Per query tile: the diagonal pair from this device's own keys (it needs no gather), then
   the key tiles before it, merged by their row logsumexp; the loops write the arrays in place, tile by tile."""
   rows = q_BSQZ.shape[1]
   k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
+  segments = _segments(segments_BS)
   attend = functools.partial(kernels.forward, scale=scale)
 
   def one_query_tile(t, outputs):
     o_BSQZ, lse_BQS = outputs
     q_BAQZ = _rows(q_BSQZ, t, tile)
-    o, lse = attend(q_BAQZ, _rows(k_BSJZ, t, tile), _rows(v_BSJZ, t, tile), causal=True)
+    o, lse = attend(q_BAQZ, _rows(k_BSJZ, t, tile), _rows(v_BSJZ, t, tile), causal=True,
+                    mask_BAW=segments and segments.diagonal_mask(t, tile))
 
     def one_key_tile(w, carry):
       acc_BAQZ, lse_BQA = carry
-      o_w, lse_w = attend(q_BAQZ, _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring), causal=False)
+      o_w, lse_w = attend(q_BAQZ, _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring), causal=False,
+                          mask_BAW=segments and segments.mask(t, w, tile, ring))
       merged = jnp.logaddexp(lse_BQA, lse_w)
       weight, weight_w = (jnp.einsum("bqa->baq", jnp.exp(x - merged))[..., None] for x in (lse_BQA, lse_w))
       return acc_BAQZ * weight + o_w.astype(jnp.float32) * weight_w, merged
 
-    acc, lse = jax.lax.fori_loop(0, _diagonal_tile(t, rows, tile, ring), one_key_tile,
+    first = segments.first_key_tile(t, tile, ring) if segments else 0
+    acc, lse = jax.lax.fori_loop(first, _diagonal_tile(t, rows, tile, ring), one_key_tile,
                                  (o.astype(jnp.float32), lse))
     return _put_rows(o_BSQZ, acc.astype(o_BSQZ.dtype), t), _put_rows(lse_BQS, lse, t, axis=2)
 
   outputs = (jnp.zeros_like(q_BSQZ), jnp.zeros((q_BSQZ.shape[0], q_BSQZ.shape[2], rows), jnp.float32))
   o_BSQZ, lse_BQS = jax.lax.fori_loop(0, rows // tile, one_query_tile, outputs)
-  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS)
+  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, o_BSQZ, lse_BQS)
 
 
 def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
   """Each pair's backward from the rows' saved output and logsumexp; dK and dV (float32, over the whole
   sequence in the devices' order) go home in one reduce-scatter each."""
-  q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS = residuals
+  q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, o_BSQZ, lse_BQS = residuals
   rows = q_BSQZ.shape[1]
   k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
+  segments = _segments(segments_BS)
   grad = functools.partial(kernels.backward, scale=scale)
 
   def one_query_tile(t, carry):
@@ -266,21 +311,23 @@ def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
 
     def one_key_tile(w, carry, causal=False):
       dq, (dk_all, dv_all) = carry
+      mask = segments and segments.mask(t, w, tile, ring)  # on the diagonal: its own keys, gathered
       dq_w, dk, dv = grad(q_BAQZ, _key_rows(k_all, w, tile, ring), _key_rows(v_all, w, tile, ring), o_BAQZ,
-                          lse_BQA, do_BAQZ, causal=causal)
+                          lse_BQA, do_BAQZ, causal=causal, mask_BAW=mask)
       add = functools.partial(_add_key_rows, w=w, ring=ring)
       return dq + dq_w.astype(jnp.float32), (add(dk_all, dk), add(dv_all, dv))
 
     diagonal = _diagonal_tile(t, rows, tile, ring)
     carry = one_key_tile(diagonal, (jnp.zeros(q_BAQZ.shape, jnp.float32), grads_kv), causal=True)
-    dq, grads_kv = jax.lax.fori_loop(0, diagonal, one_key_tile, carry)
+    first = segments.first_key_tile(t, tile, ring) if segments else 0
+    dq, grads_kv = jax.lax.fori_loop(first, diagonal, one_key_tile, carry)
     return _put_rows(dq_BSQZ, dq.astype(dq_BSQZ.dtype), t), grads_kv
 
   zeros = jnp.zeros(k_all.shape, jnp.float32)
   dq_BSQZ, (dk_all, dv_all) = jax.lax.fori_loop(0, rows // tile, one_query_tile,
                                                 (jnp.zeros_like(q_BSQZ), (zeros, zeros)))
   dk, dv = _scatter_home(dk_all), _scatter_home(dv_all)
-  return dq_BSQZ, dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype)
+  return dq_BSQZ, dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype), None
 
 
 def _rows(x, t, tile, axis=1):

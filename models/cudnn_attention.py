@@ -6,7 +6,9 @@ logsumexp to the output's dtype and its gradient drops the logsumexp's cotangent
 wrapper (`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, which returns the float32 logsumexp)
 and the backward binds its backward primitive with the row's output and logsumexp in place of the pair's own.
 Both are JAX internals: `tile_kernels("auto", ...)` falls back to XLA's tiles, with a warning, where they are
-missing or cuDNN is.
+missing or cuDNN is. A pair of packed documents' tiles takes its segment mask as an additive bias [B, 1, A, W] in
+the compute dtype (a masked score is the dtype's large negative number, so a row that sees none of the pair's keys
+gets a logsumexp the merge weighs 0): computed, not skipped, within a pair.
 
 Shape letters: see `relaymoe_jax`; A and W the rows of a query and a key tile.
 """
@@ -31,18 +33,24 @@ def _mask(causal):
   return _cudnn.MaskType.CAUSAL if causal else _cudnn.MaskType.NO_MASK
 
 
-def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale):
-  o_BAQZ, lse_BQA = _cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, scale=scale, mask_type=_mask(causal),
-                                                 qkv_layout="BTNH", return_residual=True)
+def _bias(mask_BAW, dtype):
+  return None if mask_BAW is None else _cudnn.combine_bias_and_mask(None, mask_BAW[:, None], dtype)
+
+
+def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW=None):
+  o_BAQZ, lse_BQA = _cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, _bias(mask_BAW, q_BAQZ.dtype),
+                                                 scale=scale, mask_type=_mask(causal), qkv_layout="BTNH",
+                                                 return_residual=True)
   return o_BAQZ, lse_BQA
 
 
-def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale):
-  unused = jnp.zeros(0, q_BAQZ.dtype)  # no bias, sequence lengths, offsets or page tables
+def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale, mask_BAW=None):
+  unused = jnp.zeros(0, q_BAQZ.dtype)  # no sequence lengths, offsets or page tables (nor a bias unless masked)
+  bias = _bias(mask_BAW, q_BAQZ.dtype)
   grads = _cudnn._dot_product_attention_bwd_p_wrapper.bind(
-      q_BAQZ, k_BWJZ, v_BWJZ, unused, unused, unused, unused, unused, unused, unused, lse_BQA,
-      o_BAQZ.astype(q_BAQZ.dtype), do_BAQZ.astype(q_BAQZ.dtype), scale=scale, seed=0, dropout_rate=0.0,
-      variadic_args=(False, False), mask_type=_mask(causal), layout=_cudnn.AttentionLayout.BTNH.value,
+      q_BAQZ, k_BWJZ, v_BWJZ, unused if bias is None else bias, unused, unused, unused, unused, unused, unused,
+      lse_BQA, o_BAQZ.astype(q_BAQZ.dtype), do_BAQZ.astype(q_BAQZ.dtype), scale=scale, seed=0, dropout_rate=0.0,
+      variadic_args=(bias is not None, False), mask_type=_mask(causal), layout=_cudnn.AttentionLayout.BTNH.value,
       sliding_window_length=None)
   return tuple(grads[:3])
 

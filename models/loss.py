@@ -61,9 +61,11 @@ def chunked_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequen
 
 
 def mean_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequence_axis=None, vocab_axis=None,
-                       chunk_tokens=DEFAULT_CHUNK_TOKENS, vocab_tile=DEFAULT_VOCAB_TILE):
+                       chunk_tokens=DEFAULT_CHUNK_TOKENS, vocab_tile=DEFAULT_VOCAB_TILE, weights_BS=None):
   """`chunked_cross_entropy(...).mean()`, a float32 scalar, for a loss that ends in it (the trainer's): its
   gradient is computed in the forward pass, so the logits are computed once, not again in the backward.
+  With `weights_BS` (float32, 0 or 1 per target, split like the labels) the mean over the counted targets,
+  Σ w · loss / max(Σ w, 1): a target of weight 0 adds nothing to the loss or its gradient.
 
   Differentiated, each chunk of about `chunk_tokens` tokens per device takes its logits over the device's whole
   vocabulary at once ([chunk, V] in float32: the chunk size bounds them), their logsumexp, softmax − one-hot
@@ -76,12 +78,12 @@ def mean_cross_entropy(x_BSD, head_DV, labels_BS, *, mesh, token_axes, sequence_
   split_axes = tuple(token_axes) + ((sequence_axis,) if sequence_axis else ())
   count = x_BSD.shape[0] * x_BSD.shape[1]
 
-  def per_device(x_BSD, head_DV, labels_BS):
+  def per_device(x_BSD, head_DV, labels_BS, weights_BS):
     sizes = (_chunk_len(x_BSD, chunk_tokens), _tile_len(head_DV, vocab_tile), count)
-    return _mean_cross_entropy(x_BSD, head_DV, labels_BS, sizes, split_axes, vocab_axis)
+    return _mean_cross_entropy(x_BSD, head_DV, labels_BS, weights_BS, sizes, split_axes, vocab_axis)
 
-  return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok), out_specs=P(),
-                       check_vma=True)(x_BSD, head_DV, labels_BS)
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(tok, P(None, vocab_axis), tok, tok), out_specs=P(),
+                       check_vma=True)(x_BSD, head_DV, labels_BS, weights_BS)
 
 
 def _chunk_len(x_BSD, chunk_tokens):
@@ -223,16 +225,28 @@ def _bwd(sizes, token_axes, vocab_axis, residuals, g_BS):
 _cross_entropy.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _mean_cross_entropy(x_BSD, head_DV, labels_BS, sizes, token_axes, vocab_axis):
-  chunk_len, tile, count = sizes
+def _count(weights_BS, sizes, token_axes):
+  """The targets the mean is over: all of them (static), or the weights' sum over every device."""
+  if weights_BS is None:
+    return sizes[2]
+  return jnp.maximum(jax.lax.psum(jnp.sum(weights_BS), token_axes), 1.0)
+
+
+def _weighted(loss_BR, weights_BR):
+  return loss_BR if weights_BR is None else loss_BR * weights_BR
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _mean_cross_entropy(x_BSD, head_DV, labels_BS, weights_BS, sizes, token_axes, vocab_axis):
+  chunk_len, tile, _ = sizes
   loss_BS = _forward(x_BSD, head_DV, labels_BS, (chunk_len, tile), token_axes, vocab_axis)[0]
-  return jax.lax.psum(jnp.sum(loss_BS), token_axes) / count
+  return jax.lax.psum(jnp.sum(_weighted(loss_BS, weights_BS)), token_axes) / _count(weights_BS, sizes, token_axes)
 
 
-def _mean_fwd(x_BSD, head_param_DV, labels_BS, sizes, token_axes, vocab_axis):
+def _mean_fwd(x_BSD, head_param_DV, labels_BS, weights_BS, sizes, token_axes, vocab_axis):
   """(mean loss, (dx, dhead) of the mean), chunk by chunk over the whole vocabulary slice: one logits matmul."""
-  chunk_len, _, count = sizes
+  chunk_len = sizes[0]
+  count = _count(weights_BS, sizes, token_axes)
   local = _vocab_offset(head_param_DV, vocab_axis)
   head_DV = head_param_DV.astype(x_BSD.dtype)
   varying = tuple(token_axes) + ((vocab_axis,) if vocab_axis else ())
@@ -241,14 +255,18 @@ def _mean_fwd(x_BSD, head_param_DV, labels_BS, sizes, token_axes, vocab_axis):
     loss, dx_BSD, dhead_DV = carry
     x_BRD = _chunk(x_BSD, start, size)
     labels_BR = _chunk(labels_BS, start, size) - local
+    weights_BR = None if weights_BS is None else _chunk(weights_BS, start, size)
     logits_BRV = _local_logits(x_BRD, head_DV)
     max_BR = _reduce(jnp.max(logits_BRV, -1), jax.lax.pmax, vocab_axis)
     lse_BR = max_BR + jnp.log(_reduce(jnp.sum(jnp.exp(logits_BRV - max_BR[..., None]), -1), jax.lax.psum,
                                       vocab_axis))
-    loss = loss + jnp.sum(lse_BR - _reduce(_label_logit(logits_BRV, labels_BR), jax.lax.psum, vocab_axis))
+    loss_BR = lse_BR - _reduce(_label_logit(logits_BRV, labels_BR), jax.lax.psum, vocab_axis)
+    loss = loss + jnp.sum(_weighted(loss_BR, weights_BR))
     probs_BRV = jnp.exp(logits_BRV - lse_BR[..., None])
-    dlogits_BRV = (jnp.where(_is_label(labels_BR, 0, probs_BRV.shape[-1]), probs_BRV - 1, probs_BRV)
-                   / count).astype(x_BSD.dtype)
+    dlogits_BRV = jnp.where(_is_label(labels_BR, 0, probs_BRV.shape[-1]), probs_BRV - 1, probs_BRV)
+    if weights_BR is not None:
+      dlogits_BRV = dlogits_BRV * weights_BR[..., None]
+    dlogits_BRV = (dlogits_BRV / count).astype(x_BSD.dtype)
     dx_BRD = _reduce(_dx(dlogits_BRV, head_DV), jax.lax.psum, vocab_axis).astype(x_BSD.dtype)
     dhead_DV = dhead_DV + _dhead(x_BRD, dlogits_BRV)
     return loss, jax.lax.dynamic_update_slice_in_dim(dx_BSD, dx_BRD, start, axis=1), dhead_DV
@@ -263,7 +281,7 @@ def _mean_fwd(x_BSD, head_param_DV, labels_BS, sizes, token_axes, vocab_axis):
 
 def _mean_bwd(sizes, token_axes, vocab_axis, residuals, g):
   dx_BSD, dhead_DV = residuals
-  return dx_BSD * g.astype(dx_BSD.dtype), dhead_DV * g.astype(dhead_DV.dtype), None
+  return dx_BSD * g.astype(dx_BSD.dtype), dhead_DV * g.astype(dhead_DV.dtype), None, None
 
 
 _mean_cross_entropy.defvjp(_mean_fwd, _mean_bwd)

@@ -12,7 +12,6 @@ where everything lives on the mesh is `models.sharding`'s. Shape letters: see `r
 
 import contextlib
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 import relaymoe_jax as rm
+from models.attention import attention, segment_positions
 from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.cudnn_attention import tile_kernels
@@ -64,26 +64,6 @@ def rope(x_BSQZ, positions_BS, theta):
   return (x32 * cos + rotated * sin).astype(x_BSQZ.dtype)
 
 
-def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform):
-  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation);
-  `platform`: that of the devices it runs on, for "auto"."""
-  attend = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, scale=scale, is_causal=True)
-  if implementation == "auto":
-    if platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16):
-      return attend(implementation="xla")
-    try:
-      return attend(implementation="cudnn")
-    except Exception as err:  # noqa: BLE001  (cuDNN takes a subset of shapes and versions; it says so at trace time)
-      _log_attention_fallback(f"{type(err).__name__}: {err}"[:200])
-      return attend(implementation="xla")
-  return attend(implementation=implementation)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_attention_fallback(reason):
-  logging.getLogger(__name__).warning("cuDNN attention unavailable, using XLA's: %s", reason)
-
-
 class RMSNorm(_Layer):
 
   def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
@@ -114,7 +94,7 @@ class Attention(_Layer):
       self.q_norm, self.k_norm = (RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm"),
                                    RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm"))
 
-  def __call__(self, x_BSD, positions_BS):
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     c = self.config
     b, s, _ = x_BSD.shape
 
@@ -135,9 +115,11 @@ class Attention(_Layer):
     with jax.named_scope("attention"):
       if splits_sequences(self.runtime, self.mesh):
         kernels = tile_kernels(self.runtime.attention_implementation, self.platform, q.dtype)
-        out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels)
+        out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels,
+                                segment_ids_BS=segment_ids_BS)
       else:
-        out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform)
+        out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform,
+                        segment_ids_BS)
     with jax.named_scope("projection"):
       return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
@@ -213,16 +195,16 @@ class DecoderLayer(_Layer):
     else:
       self.mlp = DenseMLP(config, runtime, config.intermediate_size, mesh, rngs)
 
-  def __call__(self, x_BSD, positions_BS):
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     policy = self.runtime.remat_of(self.layer)
     if policy in ("layer", "offload"):
-      return nnx.remat(_layer_forward, policy=_remat_policy(policy))(self, x_BSD, positions_BS)
-    return self.forward(x_BSD, positions_BS, remat_attention=policy == "attention")
+      return nnx.remat(_layer_forward, policy=_remat_policy(policy))(self, x_BSD, positions_BS, segment_ids_BS)
+    return self.forward(x_BSD, positions_BS, segment_ids_BS, remat_attention=policy == "attention")
 
-  def forward(self, x_BSD, positions_BS, remat_attention=False):
+  def forward(self, x_BSD, positions_BS, segment_ids_BS=None, remat_attention=False):
     x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
     attend = nnx.remat(_attend) if remat_attention else _attend
-    h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS)
+    h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS, segment_ids_BS)
     out = self.mlp(self.post_attention_norm(h))
     if isinstance(self.mlp, MoE):
       out, aux = out
@@ -230,12 +212,12 @@ class DecoderLayer(_Layer):
     return h + out, []
 
 
-def _layer_forward(layer, x_BSD, positions_BS):
-  return layer.forward(x_BSD, positions_BS)
+def _layer_forward(layer, x_BSD, positions_BS, segment_ids_BS):
+  return layer.forward(x_BSD, positions_BS, segment_ids_BS)
 
 
-def _attend(attn, x_BSD, positions_BS):
-  return attn(x_BSD, positions_BS)
+def _attend(attn, x_BSD, positions_BS, segment_ids_BS):
+  return attn(x_BSD, positions_BS, segment_ids_BS)
 
 
 def _remat_policy(policy):
@@ -265,11 +247,11 @@ class LayerStack(nnx.Module):
 
     setattr(self, STACKED, build(rngs))
 
-  def __call__(self, x_BSD, positions_BS):
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     graphdef, params = nnx.split(getattr(self, STACKED))
 
     def one_layer(x, layer_params):
-      return nnx.merge(graphdef, layer_params)(x, positions_BS)
+      return nnx.merge(graphdef, layer_params)(x, positions_BS, segment_ids_BS)
 
     x_BSD, auxes = jax.lax.scan(one_layer, x_BSD, params)
     return x_BSD, [jax.tree.map(lambda a: a[i], auxes[0]) for i in range(self.count)] if auxes else []
@@ -301,68 +283,85 @@ class Qwen3MoE(_Layer):
     if not config.tie_word_embeddings:
       self.lm_head_DV = param("lm_head_DV", (config.hidden_size, config.vocab_size))
 
-  def __call__(self, tokens_BS):
-    return self.logits_and_aux(tokens_BS)[0]
+  def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
+    return self.logits_and_aux(tokens_BS, segment_ids_BS, positions_BS)[0]
 
   @runs_on_model_mesh
-  def logits_and_aux(self, tokens_BS):
-    """(float32 logits [B, S, V], router losses: see `hidden_and_aux`)."""
+  def logits_and_aux(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
+    """(float32 logits [B, S, V], router losses: see `hidden_and_aux`, which says what the arguments are)."""
     with _matmul_precision(self.runtime):
-      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      x_BSD, aux = self.hidden_and_aux(tokens_BS, segment_ids_BS, positions_BS)
       x_BSD = self._in_sequence_order(x_BSD)
       with jax.named_scope("lm_head"):
         return jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), aux
 
   @runs_on_model_mesh
-  def cross_entropy_and_aux(self, tokens_BS, labels_BS):
+  def cross_entropy_and_aux(self, tokens_BS, labels_BS, segment_ids_BS=None, positions_BS=None):
     """(float32 cross-entropy per token [B, S] of predicting labels_BS, router losses: see `hidden_and_aux`).
     Chunked (`models.loss`, `loss_chunk_tokens` per device) so the full logits never exist; 0: from full logits."""
     with _matmul_precision(self.runtime):
-      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      x_BSD, aux = self.hidden_and_aux(tokens_BS, segment_ids_BS, positions_BS)
       with jax.named_scope("lm_head"):
         ce_BS = self._head_loss(chunked_cross_entropy, optax.softmax_cross_entropy_with_integer_labels, x_BSD,
                                 self._in_held_order(labels_BS))
       return self._in_sequence_order(ce_BS), aux
 
   @runs_on_model_mesh
-  def mean_cross_entropy_and_aux(self, tokens_BS, labels_BS):
+  def mean_cross_entropy_and_aux(self, tokens_BS, labels_BS, segment_ids_BS=None, positions_BS=None,
+                                 weights_BS=None):
     """(the mean of `cross_entropy_and_aux`'s cross-entropy, a float32 scalar, router losses). Chunked, its
-    gradient is computed in the forward pass (`models.loss.mean_cross_entropy`): for a loss that ends in it."""
+    gradient is computed in the forward pass (`models.loss.mean_cross_entropy`): for a loss that ends in it.
+    `weights_BS` (0 or 1 per target; None: all 1): the mean is over the counted targets."""
     with _matmul_precision(self.runtime):
-      x_BSD, aux = self.hidden_and_aux(tokens_BS)
+      x_BSD, aux = self.hidden_and_aux(tokens_BS, segment_ids_BS, positions_BS)
+      weights = None if weights_BS is None else self._in_held_order(weights_BS.astype(jnp.float32))
       with jax.named_scope("lm_head"):
         return self._head_loss(mean_cross_entropy, _plain_mean_cross_entropy, x_BSD,
-                               self._in_held_order(labels_BS)), aux
+                               self._in_held_order(labels_BS), weights_BS=weights), aux
 
-  def _head_loss(self, chunked, plain, x_BSD, labels_BS):
+  def _head_loss(self, chunked, plain, x_BSD, labels_BS, **weights):
     chunk_tokens = self.runtime.loss_chunk()
     if not chunk_tokens:
-      return plain(jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), labels_BS)
+      return plain(jnp.dot(x_BSD, self.head_DV(), preferred_element_type=jnp.float32), labels_BS, **weights)
     return chunked(x_BSD, self.head_DV(), labels_BS, mesh=self.mesh, token_axes=batch_axes(self.runtime),
-                   sequence_axis=sequence_axis(self.runtime), vocab_axis=TENSOR, chunk_tokens=chunk_tokens)
+                   sequence_axis=sequence_axis(self.runtime), vocab_axis=TENSOR, chunk_tokens=chunk_tokens,
+                   **weights)
 
   def head_DV(self):
     """The LM head in the compute dtype (the embedding's transpose when tied)."""
     return self.cast(self.embed_VD).T if self.config.tie_word_embeddings else self.cast(self.lm_head_DV)
 
   @runs_on_model_mesh
-  def hidden_and_aux(self, tokens_BS):
+  def hidden_and_aux(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
     """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
-    losses and statistics of the MoE layers: `models.router_state.router_losses`)."""
-    b, s = tokens_BS.shape
-    held = NamedSharding(self.mesh, activation_spec(self.runtime))
-    tokens_BS = jax.lax.with_sharding_constraint(self._in_held_order(tokens_BS), held)
-    x = self.cast(self.embed_VD)[tokens_BS]
-    positions_BS = jax.lax.with_sharding_constraint(
-        jnp.broadcast_to(self._in_held_order(jnp.arange(s, dtype=jnp.int32)[None]), (b, s)), held)
+    losses and statistics of the MoE layers: `models.router_state.router_losses`).
+
+    `segment_ids_BS`: packed documents (int, non-decreasing along each row); a token attends only to its own
+    document's (`models.attention`). `positions_BS`: RoPE's positions; None: each token's place in its document
+    (`segment_positions`), or in the row without segment ids."""
+    x = self.cast(self.embed_VD)[self._placed(tokens_BS)]
+    if positions_BS is None and segment_ids_BS is not None:
+      positions_BS = segment_positions(segment_ids_BS)
+    if positions_BS is None:
+      b, s = tokens_BS.shape
+      positions_BS = self._placed(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+    else:
+      positions_BS = self._placed(positions_BS)
+    segment_ids_BS = None if segment_ids_BS is None else self._placed(segment_ids_BS)
     auxes = []
     for layers in self.layers:
-      x, layer_auxes = layers(x, positions_BS)
+      x, layer_auxes = layers(x, positions_BS, segment_ids_BS)
       auxes += layer_auxes
     return self.norm(x), router_losses(auxes)
 
   def _ring(self):
     return self.mesh.shape[EXPERT]
+
+  def _placed(self, x_BS, shape=None):
+    """x in the held order (broadcast to `shape`), where the model's activations live."""
+    x_BS = self._in_held_order(x_BS)
+    held = NamedSharding(self.mesh, activation_spec(self.runtime))
+    return jax.lax.with_sharding_constraint(x_BS if shape is None else jnp.broadcast_to(x_BS, shape), held)
 
   def _in_held_order(self, x_BS):
     """x in the order the model holds a sequence: its own, or under context parallelism each device's two chunks
@@ -376,8 +375,9 @@ class Qwen3MoE(_Layer):
     return to_sequence_order(x_BS, self._ring()) if splits_sequences(self.runtime, self.mesh) else x_BS
 
 
-def _plain_mean_cross_entropy(logits_BSV, labels_BS):
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS).mean()
+def _plain_mean_cross_entropy(logits_BSV, labels_BS, weights_BS=None):
+  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS)
+  return ce_BS.mean() if weights_BS is None else jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1)
 
 
 def _matmul_precision(runtime):

@@ -98,12 +98,22 @@ def model_mesh(mesh):
 
 
 def runs_on_model_mesh(method):
-  """A model method f(self, *arrays) -> (array, pytree) run through `on_model_mesh` on `self.mesh`, its array
-  placed as the model's activations (`activation_spec`)."""
+  """A model method f(self, *arrays, **arrays) -> (array, pytree) run through `on_model_mesh` on `self.mesh`, its
+  array placed as the model's activations (`activation_spec`); arguments given as None stay None."""
 
   @functools.wraps(method)
-  def run(model, *arrays):
-    return on_model_mesh(model.mesh, functools.partial(method, model), activation_spec(model.runtime), *arrays)
+  def run(model, *args, **kwargs):
+    given = [i for i, a in enumerate(args) if a is not None]
+    names = [k for k, a in kwargs.items() if a is not None]
+
+    def on_mesh(*arrays):
+      placed = list(args)
+      for i, a in zip(given, arrays):
+        placed[i] = a
+      return method(model, *placed, **dict(kwargs, **dict(zip(names, arrays[len(given):]))))
+
+    return on_model_mesh(model.mesh, on_mesh, activation_spec(model.runtime), *(args[i] for i in given),
+                         *(kwargs[k] for k in names))
 
   return run
 

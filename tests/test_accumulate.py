@@ -29,7 +29,7 @@ def _setup(router_aux_loss_coef):
   config = load_config("tiny", router_aux_loss_coef=router_aux_loss_coef, router_z_loss_coef=0.01)
   graphdef, state = nnx.split(qwen3.create_sharded(config, mesh, seed=3, runtime=F32))
   params = nnx.to_pure_dict(state)
-  tokens = global_batch(np.random.default_rng(0).integers(0, config.vocab_size, (16, 17)), mesh, F32)
+  tokens = global_batch({"tokens": np.random.default_rng(0).integers(0, config.vocab_size, (16, 17))}, mesh, F32)
   return config, graphdef, params, tokens
 
 

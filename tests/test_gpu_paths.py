@@ -100,7 +100,7 @@ def _one_step(dispatcher, options, context_parallel):
   graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=runtime))
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(OptimConfig(), 10)
-  tokens = global_batch(SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 4, 512), mesh, runtime)
+  tokens = global_batch({"tokens": SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 4, 512)}, mesh, runtime)
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
   _, metrics = step(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), tokens)
   return float(metrics["loss"]), float(metrics["grad_norm"])

@@ -63,7 +63,7 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   batch = SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 8, 16)
-  tokens = global_batch(batch, mesh, RuntimeConfig())
+  tokens = global_batch({"tokens": batch}, mesh, RuntimeConfig())
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
   state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
   new_state, metrics = step(state, tokens)
@@ -71,14 +71,14 @@ def test_golden_first_step_is_adam_sign_step_on_oracle_gradient():
   # Ids outside the vocabulary (a data file changed under the run) are counted on the device, for the loop to stop.
   changed = batch.copy()
   changed[1, 5], changed[6, 16] = model_config.vocab_size, -1
-  assert int(step(state, global_batch(changed, mesh, RuntimeConfig()))[1][BAD_IDS]) == 2
+  assert int(step(state, global_batch({"tokens": changed}, mesh, RuntimeConfig()))[1][BAD_IDS]) == 2
 
   dense_graphdef, _ = nnx.split(qwen3.create_sharded(model_config, mesh,
                                                      runtime=dataclasses.replace(F32, dispatcher="dense")))
 
   def oracle_loss(p):
-    logits, aux = nnx.merge(dense_graphdef, nnx.State(p)).logits_and_aux(tokens[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    logits, aux = nnx.merge(dense_graphdef, nnx.State(p)).logits_and_aux(tokens["tokens"][:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens["tokens"][:, 1:]).mean()
     return ce + model_config.router_aux_loss_coef * aux["load_balancing_loss"], ce
 
   (loss, ce), grads = jax.jit(jax.value_and_grad(oracle_loss, has_aux=True))(params)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train.data import next_token_inputs
+
 
 def micro_batches_of(tokens_BS1, micro_batches):
   """[A, B/A, S+1]: micro-batch a takes rows a, A + a, 2A + a, ...; each device's rows hold an equal share of every
@@ -20,53 +22,55 @@ def micro_batches_of(tokens_BS1, micro_batches):
   return tokens_BS1.reshape(b // micro_batches, micro_batches, -1).swapaxes(0, 1)
 
 
-def whole_batch_fraction(params, graphdef, tokens_ABS1, model_config):
+def whole_batch_fraction(params, graphdef, batch_A, model_config):
   """f_e of the whole batch averaged over the MoE layers, [E] float32, from a forward pass over each micro-batch
-  (the same forward as the training pass's, whose loss head goes unused)."""
+  (the same forward as the training pass's, whose loss head goes unused). `batch_A`: the micro-batches' arrays."""
 
-  def count(total_YE, tokens_BS1):
+  def count(total_YE, batch):
     model = nnx.merge(graphdef, nnx.State(params))
-    _, aux = model.mean_cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
+    inputs_BS, labels_BS, documents = next_token_inputs(batch)
+    _, aux = model.mean_cross_entropy_and_aux(inputs_BS, labels_BS, **documents)
     return total_YE + aux["moe"].router.expert_counts_E, None
 
   sparse = sum(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers))
-  total_YE, _ = jax.lax.scan(count, jnp.zeros((sparse, model_config.num_experts), jnp.int32), tokens_ABS1)
-  a, b, s1 = tokens_ABS1.shape
+  total_YE, _ = jax.lax.scan(count, jnp.zeros((sparse, model_config.num_experts), jnp.int32), batch_A)
+  a, b, s1 = batch_A["tokens"].shape
   return jnp.sum(total_YE, axis=0).astype(jnp.float32) / (sparse * a * b * (s1 - 1))
 
 
-def accumulated_value_and_grad(loss_fn, params, graphdef, tokens_BS1, model_config, micro_batches,
+def accumulated_value_and_grad(loss_fn, params, graphdef, batch, model_config, micro_batches,
                                param_shardings=None):
   """((loss, parts), grads) of the whole batch, as `jax.value_and_grad(loss_fn, has_aux=True)` gives them for it
   in one step (`train.step.loss_fn`), from `micro_batches` equal micro-batches. `parts["moe"]` holds the whole
   batch's per-layer routing: pairs and dropped pairs summed, means (probabilities, entropy, z-loss) averaged.
   `param_shardings`: where the float32 gradient sums live (default: XLA's choice)."""
-  tokens_ABS1 = micro_batches_of(tokens_BS1, micro_batches)
+  batch_A = {key: micro_batches_of(a, micro_batches) for key, a in batch.items()}
   has_moe = any(model_config.is_sparse(i) for i in range(model_config.num_hidden_layers))
   fraction_E = None
   if has_moe:
-    fraction_E = (whole_batch_fraction(params, graphdef, tokens_ABS1, model_config)
+    fraction_E = (whole_batch_fraction(params, graphdef, batch_A, model_config)
                   if model_config.router_aux_loss_coef else jnp.zeros((model_config.num_experts,), jnp.float32))
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def one(carry, tokens_BS1):
-    (loss, parts), grads = value_and_grad(params, graphdef, tokens_BS1, model_config, fraction_E)
+  def one(carry, batch):
+    (loss, parts), grads = value_and_grad(params, graphdef, batch, model_config, fraction_E)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, carry, ((loss, parts), grads)), None
 
-  zeros = jax.eval_shape(lambda: value_and_grad(params, graphdef, tokens_ABS1[0], model_config, fraction_E))
+  zeros = jax.eval_shape(lambda: value_and_grad(params, graphdef, {k: a[0] for k, a in batch_A.items()},
+                                                model_config, fraction_E))
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating)
                                            else x.dtype), zeros)
   if param_shardings is not None:
     zeros = (zeros[0], jax.tree.map(jax.lax.with_sharding_constraint, zeros[1], param_shardings))
-  ((loss, parts), grads), _ = jax.lax.scan(one, zeros, tokens_ABS1)
+  ((loss, parts), grads), _ = jax.lax.scan(one, zeros, batch_A)
   grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, params)
   mean = micro_batches
   loss, parts = loss / mean, {k: v / mean for k, v in parts.items() if k != "moe"} | {"moe": parts["moe"]}
   if has_moe:
     moe = parts["moe"]
     router = moe.router._replace(
-        fraction_E=moe.router.expert_counts_E.astype(jnp.float32) / tokens_ABS1[0, :, 1:].size / mean,
+        fraction_E=moe.router.expert_counts_E.astype(jnp.float32) / batch_A["tokens"][0, :, 1:].size / mean,
         mean_prob_E=moe.router.mean_prob_E / mean, z_loss=moe.router.z_loss / mean,
         entropy=moe.router.entropy / mean)
     router = router._replace(load_balancing_loss=router.fraction_E.shape[-1] * jnp.sum(

@@ -2,7 +2,7 @@
 `relaymoe-plan`: what fits on the devices (the activation planner, `train.plan`).
 
     relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only]
-                   [--profile START:COUNT] [key=value ...]
+                   [--profile START:COUNT] [--eval-only] [key=value ...]
     relaymoe-plan [--config FILE] [--maximize seq|batch] [--variants ring,a2a_dropless,a2a_cf1] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
@@ -29,6 +29,7 @@ from train import plan_search
 from train.compile import memory_plan
 from train.config import load_run_config
 from train.errors import run_cli
+from train.evaluate import evaluate_only
 from train.loop import run
 from train.profile import parse_window
 
@@ -44,6 +45,8 @@ def _parse(argv):
                      help="start afresh in an --out that holds an earlier run, deleting its checkpoints and metrics")
   parser.add_argument("--compile-only", action="store_true",
                       help="compile the train step from shapes alone and report its memory per device; train nothing")
+  parser.add_argument("--eval-only", action="store_true", help="the held-out loss of init_from's weights "
+                      "(eval.path, eval.fraction or the synthetic language's held-out samples); train nothing")
   parser.add_argument("--profile", metavar="START:COUNT", help="trace steps START to START+COUNT-1 into "
                       "OUT/profile/ and print their device time by part of the model")
   parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
@@ -117,6 +120,9 @@ def _main(args):
 
   if args.compile_only:
     _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
+    return
+  if args.eval_only:
+    evaluate_only(config)
     return
   history = run(config, resume=args.resume, overwrite=args.overwrite, profile=profile)
   if jax.process_index() == 0 and history:

@@ -17,6 +17,7 @@ from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
 from models.sharding import batch_spec
 from relaymoe_jax import mosaic_gpu
 from train.config import RunConfig
+from train.data import batch_keys
 from train.mesh import run_mesh
 from train.metrics import log_on_process_0, size
 from train.sources import model_config_for
@@ -98,8 +99,9 @@ def trace_step(run_config: RunConfig, devices=None):
   graphdef, state = abstract_train_state(model_config, run_config.runtime, mesh, optimizer, run_config.seed)
   step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),
                            mesh, run_config.runtime, run_config.micro_batches)
-  batch = jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
-                               sharding=NamedSharding(mesh, batch_spec(run_config.runtime)))
+  batch = {key: jax.ShapeDtypeStruct((run_config.batch_size, run_config.seq_len + 1), jnp.int32,
+                                    sharding=NamedSharding(mesh, batch_spec(run_config.runtime)))
+           for key in batch_keys(run_config.data)}
   return step_fn.trace(state, batch), graphdef, state, mesh, model_config
 
 

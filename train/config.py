@@ -29,8 +29,14 @@ class DataConfig:
   tokenizer: str = ""  # text: a Hugging Face tokenizer.json; "" = bytes
   text_field: str = "text"  # text with a tokenizer, .jsonl input: the field holding each document
   separator: str = ""  # text with a tokenizer, plain-text input: a line equal to this ends a document; "" = blank
-  eos_token: str | int = ""  # written after every document: a token name or id; "" = found in the tokenizer
+  # text with a tokenizer: written after every document, a token name or id ("" = found in the tokenizer);
+  # tokens: the id that ends each document in the file ("" = none known)
+  eos_token: str | int = ""
   cache_dir: str = ""  # where tokenised text is cached as .bin; "" = beside the input
+  # Packed documents do not attend to each other, RoPE positions restart at each, and no loss is taken on a
+  # document's EOS predicting the next one's first token (segments from the EOS ids: `train.data.documents`).
+  # auto: on for text with a tokenizer and for tokens with an eos_token; off for the synthetic language and bytes.
+  document_masking: bool | str = "auto"
 
   def __post_init__(self):
     if self.kind not in ("synthetic", "tokens", "text"):
@@ -45,6 +51,41 @@ class DataConfig:
       raise UserError("data.text_field must not be empty")
     if isinstance(self.eos_token, int) and self.eos_token < 0:
       raise UserError(f"data.eos_token={self.eos_token} must be a token name or an id ≥ 0")
+    if self.kind == "tokens" and self.eos_token != "" and not isinstance(self.eos_token, int):
+      raise UserError(f"data.eos_token={self.eos_token!r}: a token file's end of document is an id, not a name")
+    if self.document_masking not in (True, False, "auto"):
+      raise UserError(f"data.document_masking={self.document_masking!r} must be true, false or auto")
+    if self.document_masking is True and not self.has_documents():
+      raise UserError(f"data.document_masking=true needs documents: data.kind=text with a data.tokenizer, or "
+                       f"data.kind=tokens with data.eos_token (the id that ends each); this is data.kind="
+                       f"{self.kind!r}" + (" without a tokenizer (bytes)" if self.kind == "text" else ""))
+
+  def has_documents(self):
+    """Whether the data marks where documents end (an EOS id)."""
+    return (self.kind == "text" and bool(self.tokenizer)) or (self.kind == "tokens" and self.eos_token != "")
+
+  def masks_documents(self):
+    return self.has_documents() and self.document_masking is not False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """The held-out loss: `batches` batches of the run's shape, the same each time, every `every` steps and after the
+  last (0: never). From `path` (a file of data.path's kind), else the last `fraction` of the training data split
+  off at a document boundary (the training run never sees it), else, for the synthetic language, fresh samples."""
+
+  path: str = ""
+  fraction: float = 0.0
+  every: int = 0
+  batches: int = 4
+
+  def __post_init__(self):
+    if not 0 <= self.fraction < 1:
+      raise UserError(f"eval.fraction={self.fraction} must be in [0, 1)")
+    if self.path and self.fraction:
+      raise UserError(f"eval.path={self.path!r} and eval.fraction={self.fraction}: give one")
+    if self.every < 0 or self.batches < 1:
+      raise UserError(f"eval.every={self.every} must be ≥ 0 and eval.batches={self.batches} ≥ 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,6 +132,7 @@ class RunConfig:
   memory_headroom: float = 0.005
   mesh: MeshConfig = MeshConfig()
   data: DataConfig = DataConfig()
+  eval: EvalConfig = EvalConfig()
   optim: OptimConfig = OptimConfig()
   batch_size: int = 16  # global sequences per step
   # Gradient accumulation: the step runs batch_size / micro_batches sequences at a time, in one compiled loop, and

@@ -2,10 +2,13 @@
 
 Sources: a built-in synthetic language (no download; its loss floor is known), memory-mapped pre-tokenised .bin
 files (uint16/uint32, the common format), and UTF-8 text, read as bytes or tokenised with a tokenizer.json into a
-cached .bin (`train.text`).
+cached .bin (`train.text`). A source whose documents end in an EOS id (`eos`, None where none is known) gives each
+batch, with `data.document_masking`, its documents' segment ids and positions (`documents`, as levanter derives
+them); the held-out batches come from `make_sources`.
 """
 
 import codecs
+import dataclasses
 import datetime
 import math
 import os
@@ -26,16 +29,19 @@ class SyntheticLanguage:
   predicted token is exactly ln(branching) nats (`entropy_floor`); a model starts near ln(vocab).
   """
 
-  def __init__(self, vocab_size, branching, seed):
+  eos = None
+
+  def __init__(self, vocab_size, branching, seed, held_out=False):
     if not 1 <= branching <= vocab_size:
       raise UserError(f"branching={branching} must be between 1 and vocab_size={vocab_size}")
     rng = np.random.default_rng(seed)
     self.vocab_size, self.seed = vocab_size, seed
+    self.stream = [1] if held_out else []  # held-out samples: another random stream of the same language
     self.successors = np.stack([rng.choice(vocab_size, branching, replace=False) for _ in range(vocab_size)])
     self.entropy_floor = math.log(branching)
 
   def batch(self, step, batch_size, seq_len):
-    rng = np.random.default_rng([self.seed, step])
+    rng = np.random.default_rng([self.seed, step, *self.stream])
     tokens = np.empty((batch_size, seq_len + 1), np.int32)
     tokens[:, 0] = rng.integers(self.vocab_size, size=batch_size)
     choices = rng.integers(self.successors.shape[1], size=(batch_size, seq_len))
@@ -53,9 +59,9 @@ class TokenWindows:
 
   entropy_floor = None
 
-  def __init__(self, tokens, vocab_size, seq_len=None, where="the data"):
+  def __init__(self, tokens, vocab_size, seq_len=None, where="the data", eos=None):
     """`seq_len` given: a source too short for one window is refused now, not at the first step."""
-    self.tokens, self.num_tokens, self.where = tokens, tokens.size, where
+    self.tokens, self.num_tokens, self.where, self.eos = tokens, tokens.size, where, eos
     if tokens.size and int(tokens.max()) >= vocab_size:
       raise UserError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
     if seq_len is not None and (tokens.size - 1) // seq_len < 1:
@@ -76,7 +82,7 @@ class TokenFile(TokenWindows):
   """Windows of a token file, read from it at each batch: a file that shrinks under the run is an error naming it
   and the step, where a read of a memory map past the file's new end kills the process (SIGBUS)."""
 
-  def __init__(self, path, dtype, vocab_size, seq_len, where):
+  def __init__(self, path, dtype, vocab_size, seq_len, where, eos=None):
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0:
       raise UserError(f"{where} is empty")
@@ -84,7 +90,7 @@ class TokenFile(TokenWindows):
       raise UserError(f"{where} holds {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each): "
                       "is data.token_dtype right?")
     # `tokens` (memory-mapped) are the ids as they were at the start, each checked once here; batches read the file.
-    super().__init__(np.memmap(path, dtype=dtype, mode="r"), vocab_size, seq_len, where)
+    super().__init__(np.memmap(path, dtype=dtype, mode="r"), vocab_size, seq_len, where, eos)
     self.path, self.dtype = path, np.dtype(dtype)
 
   def windows(self, starts, length, step):
@@ -116,19 +122,96 @@ def data_change(before, now):
           f"{when(now)}); the resumed run reads the new data")
 
 
-def make_source(data_config, vocab_size, seq_len=None):
-  """The run's batches; with `seq_len`, data too short for one sequence is refused here, before any compile."""
+def documents(tokens_BS1, eos):
+  """The batch `tokens_BS1` as the train step takes it: {"tokens"}, and with an `eos` id {"segment_ids",
+  "positions"} of every token [B, S+1] (int32): a document ends with its EOS, so a token's segment counts the EOS
+  before it in the window, and its position is its place in that segment (0 at each document's start)."""
+  if eos is None:
+    return {"tokens": tokens_BS1}
+  index_BS = np.broadcast_to(np.arange(tokens_BS1.shape[1]), tokens_BS1.shape)
+  ends_BS = tokens_BS1 == eos
+  segments_BS = np.concatenate([np.zeros_like(ends_BS[:, :1], np.int32),
+                                np.cumsum(ends_BS[:, :-1], axis=1, dtype=np.int32)], axis=1)
+  starts_BS = np.concatenate([np.ones_like(ends_BS[:, :1]), ends_BS[:, :-1]], axis=1)
+  positions_BS = index_BS - np.maximum.accumulate(np.where(starts_BS, index_BS, 0), axis=1)
+  return {"tokens": tokens_BS1, "segment_ids": segments_BS, "positions": positions_BS.astype(np.int32)}
+
+
+def next_token_inputs(batch):
+  """(inputs [B, S], labels [B, S], the model's keyword arguments for packed documents with their `weights_BS`: 1
+  where a target is in its input's document) of a batch (`documents`; numpy or JAX arrays); without segment ids,
+  no keyword arguments."""
+  tokens_BS1 = batch["tokens"]
+  if "segment_ids" not in batch:
+    return tokens_BS1[:, :-1], tokens_BS1[:, 1:], {}
+  segments_BS1 = batch["segment_ids"]
+  return tokens_BS1[:, :-1], tokens_BS1[:, 1:], dict(
+      segment_ids_BS=segments_BS1[:, :-1], positions_BS=batch["positions"][:, :-1],
+      weights_BS=segments_BS1[:, 1:] == segments_BS1[:, :-1])
+
+
+def batch_keys(data_config):
+  """The arrays of a batch of this data (`documents`)."""
+  return ("tokens", "segment_ids", "positions") if data_config.masks_documents() else ("tokens",)
+
+
+def batch(source, step, batch_size, seq_len, masks_documents):
+  """Batch `step` of `source`, with its documents where `masks_documents` (`DataConfig.masks_documents`)."""
+  return documents(source.batch(step, batch_size, seq_len), source.eos if masks_documents else None)
+
+
+def make_sources(data_config, eval_config, vocab_size, seq_len, held_out=False):
+  """(training source, held-out source or None: see `train.config.EvalConfig`); `held_out`: wanted even when
+  `eval.every` is 0."""
+  if not (held_out or eval_config.every or eval_config.path or eval_config.fraction):
+    return make_source(data_config, vocab_size, seq_len), None
+  if eval_config.path:
+    return (make_source(data_config, vocab_size, seq_len),
+            make_source(dataclasses.replace(data_config, path=eval_config.path), vocab_size, seq_len, "eval.path"))
+  if data_config.kind == "synthetic":
+    if eval_config.fraction:
+      raise UserError("eval.fraction splits documents off the data; the synthetic language has none (its held-out "
+                       "batches are fresh samples: leave eval.fraction out)")
+    return (make_source(data_config, vocab_size, seq_len),
+            SyntheticLanguage(vocab_size, data_config.branching, data_config.seed, held_out=True))
+  if not eval_config.fraction:
+    raise UserError("held-out batches (eval.every, --eval-only) need held-out data: eval.path or eval.fraction")
+  whole = make_source(data_config, vocab_size)
+  if whole.eos is None:
+    raise UserError(f"eval.fraction={eval_config.fraction} splits the data by document, and data.kind="
+                     f"{data_config.kind!r} without an EOS id has no documents: give eval.path")
+  cut = _document_boundary(whole.tokens, int(whole.tokens.size * (1 - eval_config.fraction)), whole.eos)
+  return (TokenWindows(whole.tokens[:cut], vocab_size, seq_len, "the training data less eval.fraction", whole.eos),
+          TokenWindows(whole.tokens[cut:], vocab_size, seq_len, f"eval.fraction={eval_config.fraction} of the data",
+                       whole.eos))
+
+
+def _document_boundary(tokens, cut, eos, scan=1 << 20):
+  """The index after the first EOS at or after `cut`: where a split leaves every document whole."""
+  for start in range(cut, tokens.size, scan):
+    ends = np.flatnonzero(np.asarray(tokens[start:start + scan]) == eos)
+    if ends.size:
+      return start + int(ends[0]) + 1
+  raise UserError(f"no document ends after token {cut} of {tokens.size}: eval.fraction leaves no whole document")
+
+
+def make_source(data_config, vocab_size, seq_len=None, key="data.path"):
+  """The run's batches; with `seq_len`, data too short for one sequence is refused here, before any compile.
+  `key`: the config key that named the file, for errors."""
   kind = data_config.kind
   if kind == "synthetic":
     return SyntheticLanguage(vocab_size, data_config.branching, data_config.seed)
   path = pathlib.Path(data_config.path)
-  where = f"data.path {str(path)!r}"
+  where = f"{key} {str(path)!r}"
   if not path.exists():
     raise UserError(f"{where} does not exist")
   if not path.is_file():
     raise UserError(f"{where} is {'a directory' if path.is_dir() else 'not a regular file'}; give a file")
   if kind == "tokens":
-    return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where)
+    eos = data_config.eos_token if isinstance(data_config.eos_token, int) else None
+    if eos is not None and eos >= vocab_size:
+      raise UserError(f"data.eos_token={eos} is out of range for vocab_size={vocab_size}")
+    return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where, eos)
   if data_config.tokenizer:
     return _tokenized_text(data_config, vocab_size, seq_len)
   if vocab_size < 256:
@@ -165,7 +248,8 @@ def _tokenized_text(data_config, vocab_size, seq_len):
       raise UserError(f"process {jax.process_index()} does not see the tokenised cache {text.cache} that process 0 "
                       "wrote: put data.cache_dir on a filesystem all processes share")
   try:
-    return TokenFile(text.cache, text.dtype, vocab_size, seq_len, f"the tokenised data.path {data_config.path!r}")
+    return TokenFile(text.cache, text.dtype, vocab_size, seq_len, f"the tokenised data.path {data_config.path!r}",
+                     text.eos)
   except ValueError as err:
     if "out of range" not in str(err):
       raise

@@ -18,7 +18,8 @@ from relaymoe_jax.errors import MissingInput
 from train.checkpoints import Checkpoints
 from train.compile import check_fits, compile_step
 from train.config import RunConfig
-from train.data import DataChanged, data_change, data_stamp, make_source
+from train.data import DataChanged, batch, data_change, data_stamp, make_sources
+from train.evaluate import Evaluator
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
@@ -92,7 +93,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
   if profile:
     check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
   model_config = model_config_for(run_config)
-  source = make_source(run_config.data, model_config.vocab_size, run_config.seq_len)
+  source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
   stamp = data_stamp(run_config.data)
   run_config, remat_plan, step = resolve_remat(run_config, resume)
   run_config, step = resolve_loss_chunk(run_config, step)
@@ -134,6 +135,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
+  evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh)
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history = []
   pending = None  # (step, metrics of that step) still on device: read one step late
@@ -166,7 +168,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
     for step in range(start, run_config.steps):
       if profiler:
         profiler.before_step(step, state)
-      state, metrics = compiled(state, global_batch(source.batch(step, b, s), mesh, run_config.runtime))
+      state, metrics = compiled(state, global_batch(batch(source, step, b, s, run_config.data.masks_documents()),
+                                                    mesh, run_config.runtime))
       if profiler:
         profiler.after_step(step, state)
       checkpoints.poll()
@@ -186,6 +189,10 @@ def _train(run_config, resume, checkpoints, stop, profile):
         pending = None
       if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
+      if evaluator and ((step + 1) % run_config.eval.every == 0 or step + 1 == run_config.steps):
+        values = evaluator(state.params)
+        window_start += values["eval_s"]  # neither the throughput nor the step time counts it
+        log.write(dict(step=step, **values))
       if signum == FAILED:
         checkpoints.finish()
         raise LogWriteFailed(f"{log.failure or 'process 0 could not write metrics.jsonl'}; stopped after step "

@@ -50,10 +50,11 @@ def run_mesh(run_config, devices=None):
   return mesh
 
 
-def global_batch(tokens, mesh, runtime):
-  """The same global numpy batch on every process → one global array whose rows split as the model takes them."""
+def global_batch(batch, mesh, runtime):
+  """The same global numpy batch (a dict of arrays, `train.data.documents`) on every process → global arrays whose
+  rows split as the model takes them."""
   sharding = NamedSharding(mesh, batch_spec(runtime))
-  return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+  return {key: jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for key, a in batch.items()}
 
 
 def on_mesh(tree, mesh):

@@ -92,6 +92,8 @@ class MetricsLog:
         self.tensorboard.write(record["step"], self._scalars(record), self._histograms(record))
       except OSError as err:
         self._tensorboard_off(err)
+    if "loss" not in record:  # a held-out loss: no step time
+      return
     postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                    tflops_dev=f"{record['tflops_per_device']:.3g}",
                    mem_gib=f"{record['peak_memory_bytes'] / 2**30:.2f}")

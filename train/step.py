@@ -11,6 +11,7 @@ import relaymoe_jax as rm
 from models import qwen3
 from models.router_state import update_router_biases
 from train.accumulate import accumulated_value_and_grad
+from train.data import next_token_inputs
 
 
 class TrainState(NamedTuple):
@@ -42,13 +43,15 @@ def make_optimizer(optim, total_steps):
   ), schedule
 
 
-def loss_fn(params, graphdef, tokens_BS1, model_config, fraction_E=None):
+def loss_fn(params, graphdef, batch, model_config, fraction_E=None):
   """Next-token cross-entropy (float32, chunked: the full logits never exist; its gradient computed in the forward)
-  plus the router losses, as configured; parts: ce, the router losses and "moe" (every MoE layer's `rm.MoEAux`,
+  over the targets in their input's document (`batch`: `train.data.documents`), plus the router losses, as
+  configured; parts: ce, the router losses and "moe" (every MoE layer's `rm.MoEAux`,
   stacked; None without MoE layers). `fraction_E`: for one micro-batch of several (`train.accumulate`), the whole
   batch's f_e (averaged over MoE layers), which the load-balancing loss then takes with this micro-batch's P_e."""
   model = nnx.merge(graphdef, nnx.State(params))
-  ce, aux = model.mean_cross_entropy_and_aux(tokens_BS1[:, :-1], tokens_BS1[:, 1:])
+  inputs_BS, labels_BS, documents = next_token_inputs(batch)
+  ce, aux = model.mean_cross_entropy_and_aux(inputs_BS, labels_BS, **documents)
   balance = aux["load_balancing_loss"]
   if fraction_E is not None:
     balance = fraction_E.shape[0] * jnp.sum(fraction_E * jnp.mean(aux["moe"].router.mean_prob_E, axis=0))
@@ -80,16 +83,15 @@ def expert_load_metrics(moe):
 
 def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, micro_batches=1,
                     param_shardings=None):
-  """train_step(state, tokens_BS1) -> (state, metrics); jit it with the state donated. `micro_batches` > 1:
-  gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums). `runtime`: the model's
-  (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
+  """train_step(state, batch) -> (state, metrics) (`batch`: `train.data.documents`); jit it with the state donated.
+  `micro_batches` > 1: gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums).
+  `runtime`: the model's (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
 
-  def train_step(state, tokens_BS1):
+  def train_step(state, batch):
     if micro_batches == 1:
-      (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, tokens_BS1,
-                                                                       model_config)
+      (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, batch, model_config)
     else:
-      (loss, parts), grads = accumulated_value_and_grad(loss_fn, state.params, graphdef, tokens_BS1, model_config,
+      (loss, parts), grads = accumulated_value_and_grad(loss_fn, state.params, graphdef, batch, model_config,
                                                         micro_batches, param_shardings)
     with jax.named_scope("optimizer"):  # the step profile's part (`train.step_parts`)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -99,7 +101,7 @@ def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, m
         params = update_router_biases(params, state.params, moe.router.expert_counts_E, model_config, runtime)
       metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
                      learning_rate=schedule(state.step), **parts, **expert_load_metrics(moe))
-    metrics[BAD_IDS] = bad_token_ids(tokens_BS1, model_config)
+    metrics[BAD_IDS] = bad_token_ids(batch["tokens"], model_config)
     return TrainState(params, opt_state, state.step + 1), metrics
 
   return train_step

@@ -1,0 +1,208 @@
+"""Packed documents: a document's logits, loss and gradients do not depend on what precedes it in the window, on
+every attention path; segment ids from EOS; the held-out loss.
+
+Float32 on emulated CPU devices. Tolerance 1e-6 relative (max |a − b| / max |b| per array): the same document at
+another place in the window differs only by summation order (observed ≤ 4e-7).
+"""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import assert_close, requires_devices
+from models import qwen3
+from models.attention import attention
+from models.cudnn_attention import CUDNN_TILES, tile_kernels
+from models.context_parallel import XLA_TILES, balanced_order, context_attention
+from models.qwen3_config import RuntimeConfig, load_config
+from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
+from train.data import documents, make_sources
+from train.loop import run
+from train.mesh import build_mesh
+
+RTOL = 1e-6
+S, L = 64, 21  # window, and the document followed in it
+CONFIG = load_config("tiny", num_hidden_layers=1)
+
+
+def _packed_rows():
+  """Rows of S tokens that hold the same document of L tokens (positions 0, 30 and S − L) among others, and their
+  segment ids; row 3 is many short documents."""
+  rng = np.random.default_rng(0)
+  tokens, segments = rng.integers(0, CONFIG.vocab_size, (4, S)), np.zeros((4, S), np.int32)
+  document = rng.integers(0, CONFIG.vocab_size, L)
+  for row, start, boundaries in ((0, 0, (L, 40)), (1, 30, (5, 30, 30 + L)), (2, S - L, (10, S - L))):
+    tokens[row, start:start + L] = document
+    for b in boundaries:
+      segments[row, b:] += 1
+  segments[3] = np.arange(S) // 7
+  return jnp.asarray(tokens, jnp.int32), jnp.asarray(segments), (0, 30, S - L)
+
+
+def _document_results(dispatcher, expert, context_parallel):
+  """Per row holding the document: its logits, its mean loss and that loss's gradients."""
+  mesh = build_mesh(MeshConfig(data=1, expert=expert), jax.devices()[:expert])
+  runtime = RuntimeConfig(dtype="float32", loss_chunk_tokens=8, dispatcher=dispatcher,
+                          context_parallel=context_parallel)
+  graphdef, state = nnx.split(qwen3.create_sharded(CONFIG, mesh, seed=0, runtime=runtime))
+  tokens, segments, starts = _packed_rows()
+  labels = jnp.roll(tokens, -1, axis=1)
+
+  def loss(params, weights):
+    return nnx.merge(graphdef, params).mean_cross_entropy_and_aux(tokens, labels, segments, weights_BS=weights)[0]
+
+  logits = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, segments))(state)
+  loss_and_grads = jax.jit(jax.value_and_grad(loss))
+  results = []
+  for row, start in enumerate(starts):
+    weights = np.zeros((4, S), np.float32)
+    weights[row, start:start + L - 1] = 1  # the document's targets inside it
+    value, grads = loss_and_grads(state, jnp.asarray(weights))
+    results.append((logits[row, start:start + L], value, nnx.to_pure_dict(grads)))
+  return results
+
+
+def _assert_placement_free(results):
+  """Every placement of the document equals the first (at position 0: the document alone, attention being causal)."""
+  alone = results[0]
+  for placed in results[1:]:
+    assert_close(placed[0], alone[0], RTOL, "logits")
+    assert_close(placed[1], alone[1], RTOL, "loss")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(placed[2]), jax.tree.leaves(alone[2])):
+      assert_close(g, r, 10 * RTOL, jax.tree_util.keystr(path))  # sums over the other tokens' zero gradients
+
+
+GRID = [(d, e, cp) for d in ("ring_expert", "ring_token", "all_to_all", "dense", "auto")
+        for e, cp in ((4, False), (2, True), (4, True))]
+DEFAULT_CASES = [("ring_expert", 2, True)]  # one model compile pair (~10 s on 2 cores); CI's second step runs all
+
+
+@pytest.mark.parametrize("dispatcher, expert, context_parallel",
+                         [pytest.param(*c, marks=() if c in DEFAULT_CASES else pytest.mark.slow) for c in GRID])
+def test_a_document_computes_the_same_wherever_it_lies_in_the_window(dispatcher, expert, context_parallel):
+  requires_devices(expert)
+  _assert_placement_free(_document_results(dispatcher, expert, context_parallel))
+
+
+@pytest.mark.slow  # compiles the model twice (~13 s on 2 cores)
+def test_one_segment_and_unit_weights_reproduce_the_unmasked_model_exactly():
+  """Masking off is today's computation; one document over the whole row is the same numbers, bit for bit (the
+  loss's forward; its gradient is computed in the same pass)."""
+  mesh = build_mesh(MeshConfig(data=1, expert=4), jax.devices()[:4])
+  runtime = RuntimeConfig(dtype="float32", loss_chunk_tokens=8)
+  graphdef, state = nnx.split(qwen3.create_sharded(CONFIG, mesh, seed=0, runtime=runtime))
+  tokens = _packed_rows()[0]
+
+  @jax.jit
+  def losses(params):
+    model = nnx.merge(graphdef, params)
+    labels = jnp.roll(tokens, -1, 1)
+    ones = jnp.ones(tokens.shape, jnp.int32)
+    return (model.mean_cross_entropy_and_aux(tokens, labels)[0],
+            model.mean_cross_entropy_and_aux(tokens, labels, 0 * ones, weights_BS=ones)[0])
+
+  plain, masked = losses(state)
+  assert float(plain) == float(masked)
+
+
+def test_segments_and_positions_restart_after_each_eos():
+  batch = documents(np.array([[5, 9, 0, 7, 0, 0, 3]]), eos=0)
+  np.testing.assert_array_equal(batch["segment_ids"], [[0, 0, 0, 1, 1, 2, 3]])
+  np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 0, 1, 0, 0]])
+  assert set(documents(np.zeros((1, 3), np.int32), eos=None)) == {"tokens"}
+
+
+def test_context_parallel_tiles_skip_what_a_document_cannot_see():
+  """Tile by tile over 4 devices (tiles of 4 rows): equal to the masked whole-row attention, values and grads."""
+  requires_devices(4)
+  mesh = build_mesh(MeshConfig(data=1, expert=4), jax.devices()[:4])
+  rng = np.random.default_rng(1)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, S, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
+  segments = jnp.asarray(np.cumsum(rng.random((2, S)) < 0.1, axis=1), jnp.int32)
+  order = balanced_order(S, 4)
+
+  def sharded(q, k, v):
+    return context_attention(q[:, order], k[:, order], v[:, order], mesh=mesh, scale=8 ** -0.5, kernels=XLA_TILES,
+                             tile=4, segment_ids_BS=segments[:, order])[:, np.argsort(order)]
+
+  def whole(q, k, v):
+    mask = segments[:, None, :, None] == segments[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=8 ** -0.5, is_causal=True)
+
+  for f in (sharded, whole):
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    if f is sharded:
+      got = (out, *vjp(do))
+    else:
+      for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(do))):
+        assert_close(g, r, 1e-5, name)
+
+
+def test_eval_fraction_splits_whole_documents_off_the_training_data(tmp_path):
+  stream = np.array([1, 2, 0, 3, 4, 5, 0, 6, 7, 0, 8, 9, 10, 11, 0], np.uint16)
+  (tmp_path / "t.bin").write_bytes(stream.tobytes())
+  data = DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), eos_token=0)
+  train, held_out = make_sources(data, EvalConfig(fraction=0.4, every=1), vocab_size=16, seq_len=2)
+  np.testing.assert_array_equal(train.tokens, stream[:10])  # the cut (token 9) moved to the document's end
+  np.testing.assert_array_equal(held_out.tokens, stream[10:])
+  assert data.masks_documents() and not DataConfig().masks_documents()
+  with pytest.raises(ValueError, match="document_masking=true needs documents"):
+    DataConfig(kind="text", path="x.txt", document_masking=True)
+
+
+@pytest.mark.slow  # three trainer runs (~15 s each on 2 cores)
+def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
+  base = RunConfig(model="tiny", runtime=RuntimeConfig(dtype="float32"), mesh=MeshConfig(data=2, expert=4),
+                   batch_size=8, seq_len=16, steps=6, log_every=1, checkpoint_every=3, tensorboard=False,
+                   eval=EvalConfig(every=2, batches=2))
+
+  def eval_records(name, resume=False):
+    config = dataclasses.replace(base, out_dir=str(tmp_path / name))
+    if resume:
+      shutil.rmtree(tmp_path / name / "checkpoints" / "6")
+      run(config, resume=True)
+    else:
+      run(config, overwrite=True)
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["eval_loss"], r["eval_tokens"]) for r in map(json.loads, lines) if "eval_loss" in r]
+
+  first = eval_records("a")
+  assert [s for s, _, _ in first] == [1, 3, 5] and all(t == 2 * 8 * 16 for _, _, t in first)
+  assert first == eval_records("b")
+  assert eval_records("b", resume=True) == first
+
+
+@pytest.mark.gpu
+def test_cudnn_attends_within_documents():
+  """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention and its
+  context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and gradients,
+  against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it lies."""
+  if jax.default_backend() != "gpu" or tile_kernels("auto", "gpu", jnp.bfloat16) is not CUDNN_TILES:
+    pytest.skip("cuDNN attends on a GPU with cuDNN; run `pytest -m gpu` there")
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, 2048, h, 128)), jnp.bfloat16) for h in (8, 2, 2, 8))
+  segments = jnp.asarray(np.cumsum(rng.random((2, 2048)) < 1 / 300, axis=1), jnp.int32)
+  scale = 128 ** -0.5
+  paths = dict(
+      cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
+      cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
+                                                    segment_ids_BS=segments))
+  as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+  ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: attention(q, k, v, scale, "xla", "gpu", segments)), *as_f32[:3])
+  for name, f in paths.items():
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    for part, g, r in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), (ref_out, *ref_vjp(as_f32[3]))):
+      assert_close(g.astype(jnp.float32), r, 2e-2, f"{name} {part}")
+  runtime = RuntimeConfig(dtype="bfloat16", attention_implementation="cudnn", loss_chunk_tokens=8)
+  graphdef, state = nnx.split(qwen3.create_sharded(CONFIG, mesh, seed=0, runtime=runtime))
+  tokens, segments, starts = _packed_rows()
+  logits = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, segments))(state)
+  for row, start in enumerate(starts[1:], 1):
+    assert_close(logits[row, start:start + L], logits[0, :L], 2e-2, f"logits at {start}")
