@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import gate_up
 from relaymoe_jax.errors import UserError
-from relaymoe_jax.grouped_matmul import expert_swiglu, resolve_backend
+from relaymoe_jax.grouped_matmul import expert_mlp, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
 
 
@@ -37,7 +37,8 @@ def _kept_rows(counts_NL, slots):
   return jnp.clip(slots - before_NL, 0, counts_NL)
 
 
-def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout, num_experts, slots, backend):
+def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout, num_experts, slots, backend,
+                activation):
   axis = layout.expert_axis
   n = jax.lax.axis_size(axis)
   num_l = num_experts // n
@@ -61,7 +62,8 @@ def _a2a_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout,
   order_M = jnp.argsort(local_expert_NC.reshape(-1), stable=True)
   sizes_L = recv_NL.sum(0)
   recv_MD = recv_NCD.reshape(n * slots, x_TD.shape[1])  # D, not -1: with no slots, -1 divides by zero
-  y_MD, _ = expert_swiglu(recv_MD[order_M], gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD, sizes_L, backend=backend)
+  y_MD, _ = expert_mlp(recv_MD[order_M], gate_up.input_weights(w_gate_LDF, w_up_LDF), w_down_LFD, sizes_L,
+                       activation=activation, backend=backend)
   y_MD = jnp.where((jnp.arange(n * slots) < sizes_L.sum())[:, None], y_MD, 0.0).astype(x_TD.dtype)
   back_NCD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(recv_NCD.shape)
   ret_NCD = jax.lax.all_to_all(back_NCD, axis, 0, 0)  # [destination, C, D], home again
@@ -84,7 +86,7 @@ class AllToAll:
   capacity_factor: float | None = None
   backend: str = "auto"
 
-  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       raise UserError(f"capacity_factor={self.capacity_factor} must be positive (or None for dropless)")
     num_experts, top_k, n = w_gate_EDF.shape[0], idx_TK.shape[1], layout.ring_size
@@ -92,7 +94,7 @@ class AllToAll:
                                   self.capacity_factor)
     tok = layout.token_spec
     per_device = functools.partial(_a2a_device, layout=layout, num_experts=num_experts, slots=slots,
-                                   backend=resolve_backend(self.backend, layout.mesh))
+                                   backend=resolve_backend(self.backend, layout.mesh), activation=activation)
     return layout.shard_map(per_device, in_specs=(tok, tok, tok, *layout.expert_specs), out_specs=tok)(
         x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 

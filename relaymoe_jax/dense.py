@@ -10,18 +10,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax import activations
 
-def dense_moe(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """y = Σ_k w[t,k] · SwiGLU_{idx[t,k]}(x[t]), looping over experts in float32 at full precision."""
+
+def dense_moe(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, activation="swiglu"):
+  """y = Σ_k w[t,k] · expert_{idx[t,k]}(x[t]), looping over experts in float32 at full precision. An expert is
+  down(act(x·gate) · (x·up)) for a gated activation, down(act(x·gate)) for a plain one, whose w_up_EDF is None
+  (`activations`)."""
   num_experts = w_gate_EDF.shape[0]
   f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+  act = activations.elementwise(activation)
   x_TD32 = x_TD.astype(f32)
   combine_TE = jnp.sum(jax.nn.one_hot(idx_TK, num_experts, dtype=f32) * w_TK.astype(f32)[..., None], axis=1)
 
   def one_expert(y_TD, e):
-    gate_TF = jnp.dot(x_TD32, w_gate_EDF[e].astype(f32), precision=hi)
-    up_TF = jnp.dot(x_TD32, w_up_EDF[e].astype(f32), precision=hi)
-    out_TD = jnp.dot(jax.nn.silu(gate_TF) * up_TF, w_down_EFD[e].astype(f32), precision=hi)
+    h_TF = act(jnp.dot(x_TD32, w_gate_EDF[e].astype(f32), precision=hi))
+    if w_up_EDF is not None:
+      h_TF = h_TF * jnp.dot(x_TD32, w_up_EDF[e].astype(f32), precision=hi)
+    out_TD = jnp.dot(h_TF, w_down_EFD[e].astype(f32), precision=hi)
     return y_TD + combine_TE[:, e, None] * out_TD, None
 
   y_TD, _ = jax.lax.scan(one_expert, jnp.zeros_like(x_TD32), jnp.arange(num_experts))
@@ -32,6 +38,7 @@ def dense_moe(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
 class Dense:
   """The oracle as a dispatcher: inputs are gathered (replicated), the output returns to the token sharding."""
 
-  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
-    args = [layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)]
-    return layout.place(dense_moe(*args), layout.token_spec)
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
+    args = [None if a is None else layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
+                                                                   w_down_EFD)]
+    return layout.place(dense_moe(*args, activation=activation), layout.token_spec)

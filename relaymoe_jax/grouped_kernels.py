@@ -1,7 +1,7 @@
 """The grouped-matmul interface, its `lax.ragged_dot` backend, and `kernel_backend`: three kernels (forward, input
 gradient, weight gradient) made into one differentiable grouped matmul that falls back to `lax.ragged_dot`, with a
 logged reason, for shapes or dtypes the kernels do not take; `kernel_swiglu`, the same for a set's gate/up kernel
-with SwiGLU in its epilogue.
+with SwiGLU in its epilogue (the experts of other activations run the plain kernels, then the activation).
 
 No communication. A grouped matmul computes out[m] = lhs[m] @ rhs[l(m)] for rows grouped contiguously by sizes_L,
 with zeros in rows past sum(sizes_L). Below both `grouped_matmul` (the backends by name) and `mosaic_gpu` (one
@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax import gate_up
+from relaymoe_jax import activations
 from relaymoe_jax.layout import vary_like, varying_axes
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _swiglu_vjp(kernels):
 
   def gate_up_swiglu_bwd(residuals, d_h_MF):
     x_MD, w_LDU, sizes_L, gate_up_MU = residuals
-    _, swiglu_vjp = jax.vjp(lambda a: gate_up.swiglu(a, jnp.float32), gate_up_MU.astype(jnp.float32))
+    _, swiglu_vjp = jax.vjp(lambda a: activations.apply(a, "swiglu", jnp.float32), gate_up_MU.astype(jnp.float32))
     (d_gate_up_MU,) = swiglu_vjp(d_h_MF.astype(jnp.float32))
     _, product_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_MD, w_LDU)
     return (*product_vjp(d_gate_up_MU.astype(x_MD.dtype)), None)
@@ -141,15 +141,17 @@ def _swiglu_vjp(kernels):
 
 def kernel_swiglu(kernels):
   """silu(x·gate)·(x·up) for rows grouped by expert (weights in `gate_up`'s layout) on the set's SwiGLU kernel:
-  (x_MD, w_gate_up_LDU, sizes_L, keep) -> (h_MF, gate_up_MU if keep else None), differentiable where not `keep`;
-  or None where the set has no such kernel, or it (or the plain kernels, for the down projection that reads h)
-  cannot take the shape (logged once per reason)."""
+  (x_MD, w_gate_up_LDU, sizes_L, keep, activation="swiglu") -> (h_MF, gate_up_MU if keep else None),
+  differentiable where not `keep`; or None where the set has no such kernel, or the experts' activation is not
+  SwiGLU, or the kernel (or the plain kernels, for the down projection that reads h) cannot take the shape (logged
+  once per reason)."""
 
-  def swiglu(x_MD, w_LDU, sizes_L, keep):
+  def swiglu(x_MD, w_LDU, sizes_L, keep, activation="swiglu"):
     (m, d), u, dtype = x_MD.shape, w_LDU.shape[2], jnp.dtype(x_MD.dtype)
     if kernels.swiglu is None:
       return None
-    reason = kernels.swiglu_unsupported(m, d, u, dtype) or kernels.unsupported(m, u // 2, d, dtype)
+    reason = ((activation != "swiglu" and f"the activation is {activation}, the epilogue's is swiglu")
+              or kernels.swiglu_unsupported(m, d, u, dtype) or kernels.unsupported(m, u // 2, d, dtype))
     if reason:
       _log_swiglu_fallback(kernels.name, reason)
       return None
@@ -169,7 +171,8 @@ def log_fallback(name, reason):
 
 @functools.lru_cache(maxsize=None)
 def _log_swiglu_fallback(name, reason):
-  log.warning("SwiGLU: %s's fused gate/up kernel does not apply (%s); gate/up and SwiGLU run apart", name, reason)
+  log.warning("SwiGLU: %s's fused gate/up kernel does not apply (%s); the input projection and the activation "
+              "run apart", name, reason)
 
 
 def kernel_backend(kernels) -> GroupedMatmul:

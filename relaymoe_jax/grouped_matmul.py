@@ -1,4 +1,4 @@
-"""Grouped-matmul backends by name, and the SwiGLU expert built on them.
+"""Grouped-matmul backends by name, and the expert MLP built on them (`activations`: SwiGLU, GeGLU, GELU, ReLU).
 
 No communication. A backend computes out[m] = lhs[m] @ rhs[l(m)] for rows grouped contiguously by sizes_L, with
 zeros in rows past sum(sizes_L) (the interface: `grouped_kernels.GroupedMatmul`). Backends:
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relaymoe_jax import gate_up, mosaic_gpu
+from relaymoe_jax import activations, mosaic_gpu
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.grouped_kernels import (GroupedKernels, GroupedMatmul, fill_past_groups, kernel_backend,
                                           kernel_swiglu, xla_ragged_dot)
@@ -72,7 +72,7 @@ def _reference_unsupported(m, i, o, dtype):
 
 def _reference_swiglu(x_MD, w_gate_up_LDU, sizes_L, keep):
   gate_up_MU = _reference_dot(x_MD, w_gate_up_LDU, sizes_L)
-  return _as_a_kernel_returns(gate_up.swiglu(gate_up_MU, x_MD.dtype)), (gate_up_MU if keep else None)
+  return _as_a_kernel_returns(activations.apply(gate_up_MU, "swiglu", x_MD.dtype)), (gate_up_MU if keep else None)
 
 
 def _reference_swiglu_unsupported(m, d, u, dtype):
@@ -139,56 +139,50 @@ def matmul_options(dtype):
   return dict(preferred_element_type=jnp.float32, precision=matmul_precision(dtype))
 
 
-def expert_swiglu(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, *, backend="xla", keep_gate_up=False):
-  """down(silu(x·gate) · (x·up)) for rows grouped by expert, with gate and up fused (U = 2F, `gate_up`'s layout);
-  float32 result and accumulation. SwiGLU runs in the gate/up kernel's epilogue where the backend has one that
-  takes the shape (`SWIGLU_BACKENDS`); differentiable unless `keep_gate_up`.
+def expert_mlp(x_RD, w_in_LDU, w_down_LFD, sizes_L, *, activation="swiglu", backend="xla", keep_gate_up=False):
+  """down(act(x·W_in)) for rows grouped by expert (`activations`: W_in is [gate | up] for gated experts, U = 2F in
+  `gate_up`'s layout; a plain expert's input matrix, U = F); float32 result and accumulation. SwiGLU runs in the
+  gate/up kernel's epilogue where the backend has one that takes the shape (`SWIGLU_BACKENDS`; other activations
+  fall back from it with a logged reason); differentiable unless `keep_gate_up`.
 
   Returns:
-    (y_RD float32, gate_up_RU = x·[gate | up] in x's dtype if `keep_gate_up` (for a backward that keeps it), else
-    None).
+    (y_RD float32, gate_up_RU = x·W_in in x's dtype if `keep_gate_up` (for a backward that keeps it), else None).
   """
   gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
   fused = SWIGLU_BACKENDS.get(resolve_backend(backend))
-  fused = fused and fused(x_RD, w_gate_up_LDU, sizes_L, keep_gate_up)
+  fused = fused and fused(x_RD, w_in_LDU, sizes_L, keep_gate_up, activation)
   if fused:
     act_RF, gate_up_RU = fused
   else:
-    gate_up_RU = gmm(x_RD, w_gate_up_LDU, sizes_L)
-    act_RF = gate_up.swiglu(gate_up_RU, x_RD.dtype)
+    gate_up_RU = gmm(x_RD, w_in_LDU, sizes_L)
+    act_RF = activations.apply(gate_up_RU, activation, x_RD.dtype)
   return gmm(act_RF, w_down_LFD, sizes_L), (gate_up_RU.astype(x_RD.dtype) if keep_gate_up else None)
 
 
-def expert_swiglu_backward(x_RD, w_gate_up_LDU, w_down_LFD, sizes_L, dy_RD, w_R, *, backend="xla",
-                           gate_up_RU=None):
-  """Gradients of Σ_r w_r · expert_swiglu(x)_r · dy_r, recomputing the intermediates from x (or, given the
-  forward's `gate_up_RU`, without the gate and up projections' recompute).
+def expert_mlp_backward(x_RD, w_in_LDU, w_down_LFD, sizes_L, dy_RD, w_R, *, activation="swiglu", backend="xla",
+                        gate_up_RU=None):
+  """Gradients of Σ_r w_r · expert_mlp(x)_r · dy_r, recomputing the intermediates from x (or, given the forward's
+  `gate_up_RU`, without the input projection's recompute).
 
   The down projection's output is never recomputed: with g = dy · W_downᵀ, d(router weight)_r = Σ_F g·act and
-  d(act) = w · g, and W_down's gradient is (w · act)ᵀ · dy. So a chunk runs five grouped matmuls (gate+up forward,
-  two input gradients, two weight gradients) where autodiff of a recomputed forward runs six; four with
-  `gate_up_RU`.
+  d(act) = w · g, and W_down's gradient is (w · act)ᵀ · dy. So a chunk runs five grouped matmuls (input projection
+  forward, two input gradients, two weight gradients) where autodiff of a recomputed forward runs six; four with
+  `gate_up_RU`. The activation's derivative: `activations.with_derivative`.
 
   Returns:
-    (dx_RD, dw_R, dw_gate_up_LDU, dw_down_LFD), float32.
+    (dx_RD, dw_R, dw_in_LDU, dw_down_LFD), float32.
   """
   gmm = functools.partial(get_backend(backend), **matmul_options(x_RD.dtype))
   # With gate_up_RU given, only this product's transposes are used: its forward is dead code that XLA removes.
-  recomputed_RU, gate_up_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_gate_up_LDU)
-  gate_RF, up_RF = gate_up.split((recomputed_RU if gate_up_RU is None else gate_up_RU).astype(jnp.float32))
-  sigmoid_RF = jax.nn.sigmoid(gate_RF)
-  silu_RF = gate_RF * sigmoid_RF
-  act_RF = (silu_RF * up_RF).astype(x_RD.dtype)  # as the forward's
+  recomputed_RU, input_vjp = jax.vjp(lambda x, w: gmm(x, w, sizes_L), x_RD, w_in_LDU)
+  act_RF, d_input = activations.with_derivative(
+      (recomputed_RU if gate_up_RU is None else gate_up_RU).astype(jnp.float32), activation)
+  act_RF = act_RF.astype(x_RD.dtype)  # as the forward's
   w_R1 = w_R.astype(jnp.float32)[:, None]
   # Only the transposes of this product are used: its forward is dead code that XLA removes.
   _, down_vjp = jax.vjp(lambda a, w: gmm(a, w, sizes_L), (act_RF * w_R1).astype(x_RD.dtype), w_down_LFD)
   g_RF, dw_down_LFD = down_vjp(dy_RD.astype(jnp.float32))
   g_RF = g_RF.astype(jnp.float32)
   dw_R = jnp.sum(g_RF * act_RF.astype(jnp.float32), axis=-1)
-  # SwiGLU's derivative by hand, one join: autodiff's transpose of the gate/up split is two padded halves added,
-  # and XLA computed both halves (sigmoid included) for every element of the result.
-  d_act_RF = g_RF * w_R1
-  d_gate_up_RU = gate_up.join(d_act_RF * up_RF * sigmoid_RF * (1 + gate_RF * (1 - sigmoid_RF)), d_act_RF * silu_RF)
-  dx_RD, dw_gate_up_LDU = gate_up_vjp(d_gate_up_RU)
-  return (dx_RD.astype(jnp.float32), dw_R, dw_gate_up_LDU.astype(jnp.float32),
-          dw_down_LFD.astype(jnp.float32))
+  dx_RD, dw_in_LDU = input_vjp(d_input(g_RF * w_R1))
+  return (dx_RD.astype(jnp.float32), dw_R, dw_in_LDU.astype(jnp.float32), dw_down_LFD.astype(jnp.float32))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.chunks import chunk_at, for_each_chunk, level_runs
-from relaymoe_jax.grouped_matmul import expert_swiglu, expert_swiglu_backward
+from relaymoe_jax.grouped_matmul import expert_mlp, expert_mlp_backward
 from relaymoe_jax.layout import vary_like, varying_zeros
 from relaymoe_jax.pair_plan import sorted_pair_weights
 
@@ -82,10 +82,11 @@ def _add_to_tokens(acc_TD, v_RD, rows, tokens, weighted=False):
   return acc_TD + jnp.sum(jnp.where(in_TK[..., None], v_TKD, 0.0), axis=1)
 
 
-def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static_chunks=None, gate_up_PU=None):
-  """acc_TD (float32) += Σ over the range's pairs of w · SwiGLU_expert(x).
+def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, activation, static_chunks=None,
+                  gate_up_PU=None):
+  """acc_TD (float32) += Σ over the range's pairs of w · expert(x) (`grouped_matmul.expert_mlp`).
 
-  `gate_up_PU`: a [P, U] buffer of x·[gate | up] in sorted-pair order that the range's pairs are also written into,
+  `gate_up_PU`: a [P, U] buffer of the input projection x·W_in ([gate | up]) in sorted-pair order that the range's pairs are also written into,
   for a backward that keeps them (None: not kept).
 
   Returns:
@@ -94,8 +95,8 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
 
   def chunk(rows, carry):
     acc_TD, kept_PU = carry
-    y_RD, gate_up_RU = expert_swiglu(tokens.x_TD[tokens.tok_P[rows.pos_R]], *weights, rows.sizes_L, backend=backend,
-                                     keep_gate_up=kept_PU is not None)
+    y_RD, gate_up_RU = expert_mlp(tokens.x_TD[tokens.tok_P[rows.pos_R]], *weights, rows.sizes_L, backend=backend,
+                                  activation=activation, keep_gate_up=kept_PU is not None)
     if kept_PU is not None:  # rows past the range are other ranges' (or past P): dropped, each its own index
       to_R = jnp.where(rows.valid_R, rows.pos_R, kept_PU.shape[0] + jnp.arange(rows.pos_R.shape[0]))
       kept_PU = kept_PU.at[to_R].set(gate_up_RU.astype(kept_PU.dtype), mode="drop", unique_indices=True)
@@ -104,14 +105,14 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, static
   return for_each_chunk(pairs, chunk_rows, tokens.tok_P.shape[0], chunk, (acc_TD, gate_up_PU), static_chunks)
 
 
-def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, vary_axes,
+def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows, backend, activation, vary_axes,
                    gate_up_PU=None):
   """Recomputes the range's intermediates chunk by chunk and adds the gradients: dx and d(router weight) into
   `grads`, the weights' gradients into `dW` (each chunk's added in float32 and kept in dW's dtype).
 
   `dW=None`: the range's own weight gradients, in the weights' dtype, begun from its first chunk where the range
   fills one (a balanced hop's), not from zeros: per hop, a zero fill and an add of the weights' size fewer.
-  `gate_up_PU`: the forward's x·[gate | up] (see `forward_pairs`), read instead of recomputed.
+  `gate_up_PU`: the forward's input projection (see `forward_pairs`), read instead of recomputed.
 
   Rows and weights are first cast to varying over `vary_axes` (every axis the outputs vary over): differentiating
   a chunk with an input invariant over some axis would make JAX psum its cotangent over that axis inside this
@@ -127,9 +128,9 @@ def backward_pairs(tokens, dy_TD, pairs, weights, grads, dW=None, *, chunk_rows,
     # Rows past the range may be another range's or never written (pairs of no expert): zeros, not garbage.
     kept_RU = None if gate_up_PU is None else jnp.where(valid_R1, gate_up_PU[rows.pos_R], 0)
     dy_RD = jnp.where(valid_R1, dy_TD[tok_R], jnp.zeros((), dy_TD.dtype))
-    dx_RD, dw_R, *dW_chunk = expert_swiglu_backward(
+    dx_RD, dw_R, *dW_chunk = expert_mlp_backward(
         vary_like(tokens.x_TD[tok_R], vary_axes), *weights, rows.sizes_L, vary_like(dy_RD, vary_axes), w_R,
-        backend=backend, gate_up_RU=kept_RU)
+        activation=activation, backend=backend, gate_up_RU=kept_RU)
     # A chunk's pairs are consecutive sorted positions, so d(router weight) is a slice update, not a scatter
     # (XLA fuses a scatter with the row reduction into one thread per row); dw_P's padding keeps the slice whole.
     dw_R = jax.lax.dynamic_slice_in_dim(grads.dw_P, rows.first, dw_R.shape[0]) + jnp.where(rows.valid_R, dw_R, 0.0)

@@ -1,11 +1,12 @@
 """`moe_ffn`: the public MoE block over global sharded arrays, and the dispatcher registry.
 
-Every dispatcher computes y_TD = Σ_k w[t,k] · SwiGLU_{idx[t,k]}(x[t]); they differ only in where the pairs are
-computed and what is held (see each dispatcher's module for what moves between devices). Shape letters: see
+Every dispatcher computes y_TD = Σ_k w[t,k] · expert_{idx[t,k]}(x[t]) (an expert's activation: `activations`);
+they differ only in where the pairs are computed and what is held (see each dispatcher's module for what moves between devices). Shape letters: see
 relaymoe_jax.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from relaymoe_jax import activations
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.auto import Auto
 from relaymoe_jax.axes import EXPERT
@@ -45,15 +47,24 @@ def make_dispatcher(name, **options):
   return cls(**options)
 
 
+def _check_up_matrix(w_up_EDF, activation):
+  if activations.is_gated(activation) and w_up_EDF is None:
+    raise UserError(f"activation {activation!r} is gated: it needs w_up_EDF (None is for the plain two-matrix "
+                    f"activations {list(activations.PLAIN)})")
+  if not activations.is_gated(activation) and w_up_EDF is not None:
+    raise UserError(f"activation {activation!r} is a plain two-matrix expert, down(act(x·w_gate_EDF)): pass "
+                    f"w_up_EDF=None, not an array of shape {tuple(w_up_EDF.shape)}")
+
+
 def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
-  shapes = dict(x_TD=x_TD.shape, idx_TK=idx_TK.shape, w_TK=w_TK.shape, w_gate_EDF=w_gate_EDF.shape,
-                w_up_EDF=w_up_EDF.shape, w_down_EFD=w_down_EFD.shape)
+  shapes = {name: a.shape for name, a in dict(x_TD=x_TD, idx_TK=idx_TK, w_TK=w_TK, w_gate_EDF=w_gate_EDF,
+                                              w_up_EDF=w_up_EDF, w_down_EFD=w_down_EFD).items() if a is not None}
   if x_TD.ndim != 2 or idx_TK.ndim != 2 or w_gate_EDF.ndim != 3:
     raise UserError(f"expected x_TD [T, D], idx_TK [T, K], w_gate_EDF [E, D, F]; got {shapes}")
   (t, d), (e, _, f), k = x_TD.shape, w_gate_EDF.shape, idx_TK.shape[1]
   expected = dict(x_TD=(t, d), idx_TK=(t, k), w_TK=(t, k), w_gate_EDF=(e, d, f), w_up_EDF=(e, d, f),
                   w_down_EFD=(e, f, d))
-  wrong = {name: shapes[name] for name in expected if tuple(shapes[name]) != expected[name]}
+  wrong = {name: shapes[name] for name in shapes if tuple(shapes[name]) != expected[name]}
   if wrong:
     raise UserError(f"shape mismatch: {wrong}; expected {expected} from x_TD {x_TD.shape} and "
                     f"w_gate_EDF {w_gate_EDF.shape}")
@@ -63,8 +74,8 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
     raise UserError(f"idx_TK must hold integer expert ids; got dtype {idx_TK.dtype}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
     raise UserError(f"x_TD must be floating point; got dtype {x_TD.dtype}")
-  dtypes = dict(w_TK=w_TK.dtype, w_gate_EDF=w_gate_EDF.dtype, w_up_EDF=w_up_EDF.dtype,
-                w_down_EFD=w_down_EFD.dtype)
+  dtypes = {name: a.dtype for name, a in dict(w_TK=w_TK, w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF,
+                                              w_down_EFD=w_down_EFD).items() if a is not None}
   wrong_dtypes = {name: str(dt) for name, dt in dtypes.items() if dt != x_TD.dtype}
   if wrong_dtypes:
     raise UserError(f"dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
@@ -98,11 +109,12 @@ class DispatchStats(NamedTuple):
 
 def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, dispatcher="ring_expert",
             expert_axis=EXPERT, token_axes=None, tensor_axis=None, shared=None, shared_gate_D1=None,
-            return_stats=False, **options):
-  """The SwiGLU MoE block: y_TD = Σ_k w_TK[t,k] · SwiGLU_{idx_TK[t,k]}(x_TD[t]).
+            return_stats=False, activation="swiglu", **options):
+  """The MoE block: y_TD = Σ_k w_TK[t,k] · expert_{idx_TK[t,k]}(x_TD[t]), an expert down(act(x·gate) · (x·up))
+  (SwiGLU by default) or, for a plain activation, down(act(x·gate)) with w_up_EDF None.
 
   Works on global `jax.Array`s, inside or outside `jax.jit`, under `jax.grad`; differentiable with respect to
-  x_TD, w_TK and the three expert weights. Inputs with another sharding are resharded. Any number of tokens: T not
+  x_TD, w_TK and the expert weights. Inputs with another sharding are resharded. Any number of tokens: T not
   divisible by the token shards is padded inside with rows that route nowhere (they cost nothing in the rings).
   Zero tokens give an empty y_TD (and zero expert-weight gradients) with every dispatcher, which is not run. Not
   under `jax.vmap` (a ValueError says why): pass the batch as leading dims of x instead.
@@ -115,7 +127,8 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     x_TD: tokens [..., D] (e.g. [T, D] or [B, S, D]; leading dims are folded into T), float32 or bfloat16.
     idx_TK: int expert ids [..., K] in [0, E) (from `route`), x's leading dims.
     w_TK: router weights [..., K], x's dtype.
-    w_gate_EDF, w_up_EDF, w_down_EFD: SwiGLU expert weights, x's dtype.
+    w_gate_EDF, w_up_EDF, w_down_EFD: expert weights, x's dtype; w_up_EDF None for a plain `activation` (then
+      w_gate_EDF is the input matrix W_in).
     mesh: a `jax.sharding.Mesh` (Explicit axes from `jax.make_mesh`, or Auto); None: the `jax.set_mesh` context's.
     dispatcher: a name in `DISPATCHERS` ("ring_expert", "all_to_all", "dense") or a dispatcher instance.
     expert_axis: mesh axis the experts are split over; the ring runs along it.
@@ -124,6 +137,9 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     shared: optional Qwen2-MoE shared expert (w_gate_DF, w_up_DF, w_down_FD), computed locally outside the ring
       and added to the output; scaled by sigmoid(x · shared_gate_D1) when that is given.
     return_stats: also return a `DispatchStats` (the pairs a capacity factor dropped).
+    activation: the experts' activation (`activations.ACTIVATIONS`): "swiglu" (default), "geglu" (Gemma:
+      gelu(x·gate) · (x·up), gelu's tanh form), or the plain two-matrix "gelu" (tanh form) and "relu" (Switch,
+      GShard). SwiGLU alone runs in the Hopper gate/up kernel's epilogue; the others fall back from it (logged).
     **options: the named dispatcher's own options, e.g. `chunk_rows=` (ring_expert), `capacity_factor=`
       (all_to_all), `backend=`.
 
@@ -132,13 +148,14 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     Explicit mesh by its type (so a residual `x + y` type-checks), on an Auto mesh through XLA's propagation.
 
   Raises:
-    ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher or option,
+    ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher, option or
+      activation, w_up_EDF given to a plain activation or missing for a gated one,
       (where known) expert ids out of range, no mesh, and a call under `jax.vmap`.
   """
   arrays = (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
   static = dict(mesh=context_mesh() if mesh is None else mesh, dispatcher=dispatcher, expert_axis=expert_axis,
                 token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis, return_stats=return_stats,
-                options=tuple(sorted(options.items())))
+                activation=activation, options=tuple(sorted(options.items())))
   if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((arrays, shared, shared_gate_D1))) or \
       not _hashable(static):
     return _block(*arrays, shared=shared, shared_gate_D1=shared_gate_D1, **static)
@@ -157,11 +174,12 @@ def _hashable(static):
 
 
 def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shared_gate_D1, mesh, dispatcher,
-           expert_axis, token_axes, tensor_axis, return_stats, options):
+           expert_axis, token_axes, tensor_axis, return_stats, activation, options):
   """`moe_ffn` with its mesh resolved and its dispatcher options as sorted (name, value) pairs."""
   layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis)
   dispatcher = _dispatcher_for(layout, dispatcher, dict(options))
   _check_ranks(x_TD, idx_TK, w_TK)
+  _check_up_matrix(w_up_EDF, activation)
   x_sharding, x_in = layout.caller_sharding(x_TD), x_TD
   x_TD, idx_TK, w_TK = (fold(layout, a) for a in (x_TD, idx_TK, w_TK))
   _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout)
@@ -169,7 +187,7 @@ def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shar
     _check_shared(x_TD, shared, shared_gate_D1)
   x_TD, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD = refuse_vmap((x_TD, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD))
   y_TD, dropped = _sharded_block(layout, dispatcher, x_TD, idx_TK.astype(jnp.int32), w_TK, w_gate_EDF, w_up_EDF,
-                                 w_down_EFD, count_drops=return_stats)
+                                 w_down_EFD, count_drops=return_stats, activation=activation)
   if shared is not None:
     y_TD = y_TD + _shared_where_y_is(layout, x_TD, shared, shared_gate_D1)
   y = layout.restore(unfold(layout, y_TD, x_in), x_sharding, x_in)
@@ -177,10 +195,11 @@ def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shar
 
 
 _compiled_block = jax.jit(_block, static_argnames=("mesh", "dispatcher", "expert_axis", "token_axes", "tensor_axis",
-                                                   "return_stats", "options"))
+                                                   "return_stats", "activation", "options"))
 
 
-def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, count_drops):
+def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, count_drops,
+                   activation):
   """(y_TD, dropped pairs): padding, placement and the dispatcher. y_TD is over the token axes, or replicated on an
   Explicit mesh where T was padded (T rows do not split evenly over them)."""
   t, num_experts, tok = x_TD.shape[0], w_gate_EDF.shape[0], layout.token_spec
@@ -192,16 +211,17 @@ def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
   x_TD, idx_TK, w_TK = (layout.place(a, P()) if pad and layout.explicit else a for a in (x_TD, idx_TK, w_TK))
   x_TD, idx_TK, w_TK = (layout.place(pad_rows(a, pad, v), tok)
                         for a, v in ((x_TD, 0), (idx_TK, num_experts), (w_TK, 0)))
-  w_gate_EDF, w_up_EDF, w_down_EFD = (layout.place(w, spec) for w, spec in
+  w_gate_EDF, w_up_EDF, w_down_EFD = (None if w is None else layout.place(w, spec) for w, spec in
                                       zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
   weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
   if isinstance(dispatcher, Dense):
     # The oracle's global-array math needs a mesh context under an Explicit mesh inside a caller's jit; in a
     # shard_map over replicated inputs it runs on every device without one.
-    y_TD = layout.place(layout.shard_map(dense_moe, in_specs=(P(),) * 6, out_specs=P())(
-        *(layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, *weights))), tok)
+    oracle = functools.partial(dense_moe, activation=activation)
+    y_TD = layout.place(layout.shard_map(oracle, in_specs=(P(),) * 6, out_specs=P())(
+        *(None if a is None else layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, *weights))), tok)
   else:
-    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout)
+    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout, activation=activation)
   count = getattr(dispatcher, "dropped_pairs", None) if count_drops else None
   dropped = count(idx_TK, num_experts, layout=layout) if count else jnp.zeros((), jnp.int32)
   return (layout.place(y_TD, P())[:t] if pad else y_TD), dropped

@@ -65,7 +65,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
     return forward_pairs(tokens, _visiting_range(spec, plan.counts_E, partition), weights, acc_TD,
                          gate_up_PU=gate_up_PU, static_chunks=spec.static_chunks, **spec.chunk_options)
 
-  weights = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
+  weights = (gate_up.input_weights(w_gate_LDF, w_up_LDF), w_down_LFD)
   acc_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
   # Uninitialised (no fill of its size): every row read back is first written or masked (`backward_pairs`).
   gate_up_PU = (vary_like(jax.lax.empty((plan.order_P.shape[0], weights[0].shape[2]), x_TD.dtype),
@@ -82,7 +82,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
   tokens = token_side(x_TD, plan, w_TK, spec.chunk_rows)
-  own = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
+  own = (gate_up.input_weights(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(grads, partition, weights):
     # A hop's weight gradient is relayed in the weights' dtype, so it is summed over the hop's chunks in that dtype
@@ -102,7 +102,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
     grads, (dw_gate_up, dw_down) = ring_relay_homeward(hop, grads0, last, home=own_v, **relay)
   else:
     grads, (dw_gate_up, dw_down) = ring_relay(hop, grads0, own_v, **relay)
-  return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
+  return backward_outputs(spec, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,8 +132,8 @@ class RingExpert:
       received weights for the backward anyway (so it costs no memory) and it measured 0.7–1.6 ms faster per
       Qwen3-30B layer on 2×H200 (docs/overlap.md); off for larger rings, where the kept partition is memory
       per MoE layer and the home send can overlap the next layer's backward.
-    keep_gate_up: the forward keeps x·[gate | up] of every pair (P × U elements per device, in x's dtype) for
-      the backward, which then skips recomputing the gate and up projections: a quarter of a hop's backward matmul
+    keep_gate_up: the forward keeps the input projection x·[gate | up] (a plain expert's x·W_in) of every pair
+      (P × U elements per device, in x's dtype) for the backward, which then skips recomputing it: a quarter of a hop's backward matmul
       FLOPs. Memory for speed, off by default (RelayMoE keeps nothing per pair).
   """
 
@@ -151,11 +151,11 @@ class RingExpert:
       return False
     return ring_size == 2 if self.reverse_backward is None else self.reverse_backward
 
-  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
     if self.keep_gate_up and not self.recompute:
       raise UserError("keep_gate_up=True needs recompute=True (without it, plain autodiff keeps every intermediate)")
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
-                          recompute=self.recompute, row_cap=self.max_chunk_rows)
+                          activation=activation, recompute=self.recompute, row_cap=self.max_chunk_rows)
     keeps = _Keeps(last_weights=self.reverses_backward(layout.ring_size), gate_up=self.keep_gate_up)
     ring = ring_vjp(spec, *_device_functions(keeps), keeps.specs(layout))
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -50,7 +50,7 @@ def _identity(x):
 def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spec):
   layout = spec.layout
   plan = make_pair_plan(idx_TK, spec.num_experts)
-  weights = (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD)
+  weights = (gate_up.input_weights(w_gate_LDF, w_up_LDF), w_down_LFD)
 
   def hop(state, _partition, visiting):
     zeros_TD = varying_zeros(x_TD.shape, jnp.float32, layout.compute_axes)
@@ -67,7 +67,7 @@ def _forward_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, spe
 def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, counts_E, dy_TD, *, spec):
   layout = spec.layout
   plan = PairPlan(order_P=order_P, counts_E=counts_E)
-  weights = tuple(vary_like(w, layout.compute_axes) for w in (gate_up.join(w_gate_LDF, w_up_LDF), w_down_LFD))
+  weights = tuple(vary_like(w, layout.compute_axes) for w in (gate_up.input_weights(w_gate_LDF, w_up_LDF), w_down_LFD))
 
   def hop(dW, _partition, visiting):
     grads = zero_pair_grads(x_TD, order_P.shape[0], layout.compute_axes, spec.chunk_rows)
@@ -80,7 +80,7 @@ def _backward_device(x_TD, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, order_P, coun
   dW0 = tuple(varying_zeros(w.shape, jnp.float32, layout.compute_axes) for w in weights)
   (dw_gate_up, dw_down), grads = ring_relay(hop, dW0, own, axis=layout.expert_axis, n=layout.ring_size,
                                             to_relay=_identity)
-  return backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
+  return backward_outputs(spec, plan, grads, dw_gate_up, dw_down, x_TD, w_TK)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,8 +96,8 @@ class RingToken:
   max_chunk_rows: int | None = None
   backend: str = "auto"
 
-  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout):
+  def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
     spec = make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, chunk_rows=self.chunk_rows, backend=self.backend,
-                          row_cap=self.max_chunk_rows)
+                          activation=activation, row_cap=self.max_chunk_rows)
     ring = ring_vjp(spec, _forward_device, _backward_device)
     return ring(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -14,7 +14,7 @@ import math
 import jax
 
 from relaymoe_jax.chunks import check_ladder, check_row_cap, default_chunk_rows
-from relaymoe_jax import gate_up
+from relaymoe_jax import activations, gate_up
 from relaymoe_jax.grouped_matmul import max_chunk_rows, resolve_backend
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.pair_plan import unsort_pair_values
@@ -29,6 +29,7 @@ class RingSpec:
   top_k: int
   chunk_rows: tuple[int, ...]  # the chunk-size ladder of a hop (see `chunks.for_each_chunk`)
   backend: str
+  activation: str = "swiglu"  # the experts' (see `activations`)
   static_chunks: int | None = None  # autodiff ablation: a fixed worst-case chunk count instead of a while loop
 
   @property
@@ -37,38 +38,43 @@ class RingSpec:
 
   @property
   def chunk_options(self):
-    return dict(chunk_rows=self.chunk_rows, backend=self.backend)
+    return dict(chunk_rows=self.chunk_rows, backend=self.backend, activation=self.activation)
 
 
-def _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF):
+def _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF, activation):
   if chunk_rows is not None:
     return check_ladder(chunk_rows)
   num_experts, d_model, d_ff = w_gate_EDF.shape
-  # The widest grouped matmul of a hop is gate and up fused: U = 2F (per tensor-parallel slice) columns.
-  caps = [c for c in (row_cap, max_chunk_rows(backend, num_experts // layout.ring_size,
-                                               max(d_model, 2 * d_ff // layout.tensor_size))) if c]
+  # The widest grouped matmul of a hop is the input projection, gate and up fused for gated experts: U = 2F (per
+  # tensor-parallel slice) columns.
+  width = (2 if activations.is_gated(activation) else 1) * d_ff // layout.tensor_size
+  caps = [c for c in (row_cap, max_chunk_rows(backend, num_experts // layout.ring_size, max(d_model, width))) if c]
   return default_chunk_rows(tokens_per_device, top_k, layout.ring_size, min(caps, default=None))
 
 
-def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, recompute=True, row_cap=None):
-  """`row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's largest chunk at most this many rows.
+def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, activation="swiglu", recompute=True,
+                   row_cap=None):
+  """`activation`: the experts' (`activations`); `row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's largest chunk at most this many rows.
   `recompute=False` (the autodiff ablation): one chunk size and a fixed chunk count per hop."""
   check_row_cap(chunk_rows, row_cap)
   backend = resolve_backend(backend, layout.mesh)
   tokens_per_device = x_TD.shape[0] // layout.token_shards
   top_k = idx_TK.shape[1]
-  ladder = _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF)
+  ladder = _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF, activation)
   if not recompute:
     ladder = ladder[:1]
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])
   return RingSpec(layout=layout, num_experts=w_gate_EDF.shape[0], top_k=top_k, chunk_rows=ladder, backend=backend,
-                  static_chunks=static_chunks)
+                  activation=activations.check(activation), static_chunks=static_chunks)
 
 
-def backward_outputs(layout, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
-  """A ring backward's per-device results: weight gradients split back into gate and up and summed over the data
-  axes; dx and d(router weight) summed over the tensor axis (ETP) and put back in token order; input dtypes."""
-  dW = tuple(d.astype(x_TD.dtype) for d in (*gate_up.split(dw_gate_up), dw_down))
+def backward_outputs(spec, plan, grads, dw_gate_up, dw_down, x_TD, w_TK):
+  """A ring backward's per-device results: weight gradients split back into gate and up (a plain expert's input
+  matrix and None for its absent up) and summed over the data axes; dx and d(router weight) summed over the tensor
+  axis (ETP) and put back in token order; input dtypes."""
+  layout = spec.layout
+  dw_gate, dw_up = gate_up.input_weight_grads(dw_gate_up, activations.is_gated(spec.activation))
+  dW = tuple(None if d is None else d.astype(x_TD.dtype) for d in (dw_gate, dw_up, dw_down))
   if layout.replica_axes:
     dW = jax.lax.psum(dW, layout.replica_axes)
   dx_TD = layout.sum_tensor_partials(grads.dx_TD)

@@ -1,7 +1,8 @@
 """Communication volume and resident memory of the two ring modes (RelayMoE §3.2, Table 2), from static shapes.
 
 No communication: this decides which ring `dispatcher="auto"` runs. Per device, with b bytes per element,
-L = E/N local experts, w = 3·D·F·b / ETP (one expert's SwiGLU weights on one device) and m = K·(4 + b) routing
+L = E/N local experts, w = 3·D·F·b / ETP (one gated expert's weights on one device; 2·D·F·b / ETP for a plain
+two-matrix expert) and m = K·(4 + b) routing
 metadata per token (an int32 token index and a router weight per pair):
 
                      per hop, forward              per hop, backward
@@ -54,13 +55,14 @@ def _mib(volume):
 
 
 def plan_dispatch(*, tokens_per_device, d_model, d_ff, num_experts, top_k, ring_size, dtype="bfloat16",
-                  expert_tensor_parallel=1):
-  """Both modes' volumes for one MoE layer on one device, and the mode with fewer bytes per hop."""
+                  expert_tensor_parallel=1, expert_matrices=3):
+  """Both modes' volumes for one MoE layer on one device, and the mode with fewer bytes per hop. `expert_matrices`:
+  3 for gated experts (gate, up, down), 2 for plain ones (`activations`)."""
   if num_experts % ring_size:
     raise UserError(f"E={num_experts} experts is not divisible by the ring size {ring_size}")
   b = jnp.dtype(dtype).itemsize
   t, d, k, e = tokens_per_device, d_model, top_k, num_experts
-  local_weights = (e // ring_size) * 3 * d * d_ff * b // expert_tensor_parallel  # L·w
+  local_weights = (e // ring_size) * expert_matrices * d * d_ff * b // expert_tensor_parallel  # L·w
   expert = ModeVolume(
       forward_bytes_per_hop=local_weights,
       backward_bytes_per_hop=2 * local_weights,
