@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax import activations
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.layout import ExpertLayout
@@ -43,6 +44,8 @@ class BlockConfig:
     dispatcher: a name in `rm.DISPATCHERS` or an instance; `dispatcher_options` its options as a dict.
     expert_axis, token_axes, tensor_axis: as for `moe_ffn`.
     dtype: compute dtype (parameters are cast to it), None for the input's.
+    activation: the experts' (`moe_ffn`'s): "swiglu", "geglu", or the plain two-matrix "gelu" and "relu", whose
+      experts have no w_up_EDF.
   """
 
   num_experts: int
@@ -58,6 +61,7 @@ class BlockConfig:
   token_axes: tuple[str, ...] | None = None
   tensor_axis: str | None = None
   dtype: Any = None
+  activation: str = "swiglu"
 
 
 def block_config(layer_name, **fields):
@@ -115,6 +119,8 @@ def param_shapes(config, d_model):
   e, d, f, ax, tp = config.num_experts, d_model, config.d_ff, config.expert_axis, config.tensor_axis
   params = dict(router_DE=((d, e), (None, None), d), w_gate_EDF=((e, d, f), (ax, None, tp), d),
                 w_up_EDF=((e, d, f), (ax, None, tp), d), w_down_EFD=((e, f, d), (ax, tp, None), f))
+  if not activations.is_gated(config.activation):
+    del params["w_up_EDF"]
   if config.shared_d_ff:
     fs = config.shared_d_ff
     params.update(shared_gate_DF=((d, fs), (None, None), d), shared_up_DF=((d, fs), (None, None), d),
@@ -122,6 +128,21 @@ def param_shapes(config, d_model):
     if config.shared_gate:
       params["shared_gate_D1"] = ((d, 1), (None, None), d)
   return params
+
+
+def initializer(shape, fan_in, *, init_scale=1.0, kernel_init=None):
+  """A parameter's initializer, (key, shape, dtype) → array: `kernel_init` on each expert's own matrix (so a Flax
+  variance-scaling initializer sees one expert's fan-in, not E times it) and on the router's, else normal ·
+  init_scale / sqrt(fan-in)."""
+  if kernel_init is None:
+    return jax.nn.initializers.normal(init_scale / fan_in ** 0.5)
+  if init_scale != 1.0:
+    raise UserError(f"init_scale={init_scale} scales the default initializer; with kernel_init= give the scale in "
+                    "the initializer instead")
+  if len(shape) == 2:
+    return kernel_init
+  return lambda key, shape, dtype: jax.vmap(lambda k: kernel_init(k, shape[1:], dtype))(
+      jax.random.split(key, shape[0]))
 
 
 def moe_block(config, params, x):
@@ -143,8 +164,8 @@ def moe_block(config, params, x):
   if config.shared_d_ff:
     shared = dict(shared=(p["shared_gate_DF"], p["shared_up_DF"], p["shared_down_FD"]),
                   shared_gate_D1=p.get("shared_gate_D1"))
-  y, stats = moe_ffn(x, idx_TK, w_TK, p["w_gate_EDF"], p["w_up_EDF"],
-                     p["w_down_EFD"], mesh=config.mesh, dispatcher=config.dispatcher,
+  y, stats = moe_ffn(x, idx_TK, w_TK, p["w_gate_EDF"], p.get("w_up_EDF"),
+                     p["w_down_EFD"], activation=config.activation, mesh=config.mesh, dispatcher=config.dispatcher,
                      expert_axis=config.expert_axis, token_axes=config.token_axes, tensor_axis=config.tensor_axis,
                      return_stats=True, **shared, **dict(config.dispatcher_options or {}))
   return y, MoEAux(router=router_aux, dropped_pairs=stats.dropped_pairs)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.block import BlockConfig, axis_rules, check_experts_split, moe_block, param_shapes
+from relaymoe_jax.block import BlockConfig, axis_rules, check_experts_split, initializer, moe_block, param_shapes
 
 AUX_NAME = "moe_aux"  # the `sow`n name, in the "intermediates" collection
 __all__ = ["AUX_NAME", "MoE", "axis_rules"]
@@ -25,8 +25,10 @@ class MoE(nn.Module):
   """The MoE block as a Linen layer: `y, aux = MoE(...)(x)`, y with x's shape, aux an `rm.MoEAux`.
 
   Also `sow`s aux as "intermediates"/AUX_NAME (apply with `mutable=["intermediates"]` to collect it from every
-  layer). Fields are `BlockConfig`'s (sizes, mesh, dispatcher and its options, axis names, compute dtype), plus
-  `param_dtype` and `init_scale` (weights ~ normal · init_scale / sqrt(fan-in)).
+  layer). Fields are `BlockConfig`'s (sizes, mesh, dispatcher and its options, axis names, compute dtype, the
+  experts' activation), plus `param_dtype`, `init_scale` (weights ~ normal · init_scale / sqrt(fan-in)) and
+  `kernel_init` (instead: a Flax initializer for the router and each expert's matrices, called on one expert's
+  [D, F] or [F, D] at a time).
   """
 
   num_experts: int
@@ -42,8 +44,10 @@ class MoE(nn.Module):
   token_axes: tuple[str, ...] | None = None
   tensor_axis: str | None = None
   dtype: Any = None
+  activation: str = "swiglu"
   param_dtype: Any = jnp.float32
   init_scale: float = 1.0
+  kernel_init: Any = None
 
   def block_config(self):
     """The `BlockConfig` of this layer's fields (a Linen module declares its own: it is a dataclass of them)."""
@@ -55,7 +59,8 @@ class MoE(nn.Module):
     params = {}
     mesh = jax.sharding.get_abstract_mesh() if self.mesh is None else self.mesh
     for name, (shape, spec, fan_in) in param_shapes(config, x.shape[-1]).items():
-      init = _placed(nn.initializers.normal(self.init_scale / fan_in ** 0.5), self.mesh, spec)
+      init = _placed(initializer(shape, fan_in, init_scale=self.init_scale, kernel_init=self.kernel_init),
+                     self.mesh, spec)
       boxed = self.param(name, nn.with_partitioning(init, spec), shape, self.param_dtype, unbox=False)
       if spec[0] == config.expert_axis:  # before unboxing, whose constraint would fail with JAX's own message
         check_experts_split(name, boxed.value if isinstance(boxed, nn.Partitioned) else boxed, config, mesh)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relaymoe_jax.block import axis_rules, block_config, check_config, check_experts_split, moe_block, param_shapes
+from relaymoe_jax.block import (axis_rules, block_config, check_config, check_experts_split, initializer, moe_block,
+                                param_shapes)
 
 __all__ = ["MoE", "axis_rules"]
 
@@ -23,20 +24,22 @@ class MoE(nnx.Module):
     d_model: D.
     rngs: `nnx.Rngs` for the parameters.
     param_dtype: of the parameters; init_scale: weights ~ normal · init_scale / sqrt(fan-in).
+    kernel_init: instead, a Flax initializer for the router and each expert's matrices (called on one expert's
+      [D, F] or [F, D] at a time).
     **block: `BlockConfig`'s fields: num_experts, top_k, d_ff, shared_d_ff, shared_gate, norm_topk_prob, mesh,
-      dispatcher, dispatcher_options, expert_axis, token_axes, tensor_axis, dtype.
+      dispatcher, dispatcher_options, expert_axis, token_axes, tensor_axis, dtype, activation.
 
   Raises:
     ValueError: an unknown argument, top_k out of range, an unknown dispatcher or option, and (where there is a
       mesh) axes it lacks or an E or d_ff it does not divide, named before any parameter is made.
   """
 
-  def __init__(self, d_model, *, rngs, param_dtype=jnp.float32, init_scale=1.0, **block):
+  def __init__(self, d_model, *, rngs, param_dtype=jnp.float32, init_scale=1.0, kernel_init=None, **block):
     self.config = block_config("rm.nnx.MoE", **block)
     check_config(self.config, jax.sharding.get_abstract_mesh() if self.config.mesh is None else self.config.mesh)
     self.names = tuple(param_shapes(self.config, d_model))
     for name, (shape, spec, fan_in) in param_shapes(self.config, d_model).items():
-      init = nnx.initializers.normal(init_scale / fan_in ** 0.5)
+      init = initializer(shape, fan_in, init_scale=init_scale, kernel_init=kernel_init)
       on_mesh = {} if self.config.mesh is None else dict(mesh=self.config.mesh)  # None: the context's
       setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=spec, **on_mesh))
 

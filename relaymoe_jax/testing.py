@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from relaymoe_jax import activations
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.moe import moe_ffn
@@ -30,8 +31,9 @@ MOE_ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")  # what `moe_ffn` is differentiable in
 
 
-def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=False, dtype=jnp.float32):
-  """Random tokens, routing and SwiGLU experts, as the keyword arguments of `moe_ffn` (names in `MOE_ARGS`).
+def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=False, dtype=jnp.float32,
+                      activation="swiglu"):
+  """Random tokens, routing and experts, as the keyword arguments of `moe_ffn` (names in `MOE_ARGS`).
 
   Args:
     seed: NumPy seed.
@@ -40,6 +42,8 @@ def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=F
       experts only (all pairs land in partition 0 whenever top_k ≤ L), the worst case for a capacity-bound
       dispatcher and for one hop of the ring.
     dtype: of every floating array; idx_TK is int32.
+    activation: the experts' (`moe_ffn`'s `activation=`): a plain two-matrix one gets w_up_EDF None (the other
+      arrays are the same as for a gated one).
 
   Returns:
     dict of x_TD [T, D], idx_TK [T, K], w_TK [T, K] (softmax rows), w_gate_EDF, w_up_EDF [E, D, F], w_down_EFD
@@ -55,7 +59,10 @@ def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=F
   w_up = rng.normal(size=(num_experts, d_model, d_ff)) / np.sqrt(d_model)
   w_down = rng.normal(size=(num_experts, d_ff, d_model)) / np.sqrt(d_ff)
   arrays = dict(x_TD=x, idx_TK=idx, w_TK=w, w_gate_EDF=w_gate, w_up_EDF=w_up, w_down_EFD=w_down)
-  return {name: jnp.asarray(a, None if name == "idx_TK" else dtype) for name, a in arrays.items()}
+  if not activations.is_gated(activation):
+    arrays["w_up_EDF"] = None
+  return {name: None if a is None else jnp.asarray(a, None if name == "idx_TK" else dtype)
+          for name, a in arrays.items()}
 
 
 def relative_error(actual, expected):
@@ -94,12 +101,13 @@ def cotangent(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "mesh", "dispatcher", "axes", "options"))
-def _values_and_grads(inputs, c_TD, *, block, mesh, dispatcher, axes, options):
+@functools.partial(jax.jit, static_argnames=("block", "mesh", "dispatcher", "axes", "activation", "options"))
+def _values_and_grads(inputs, c_TD, *, block, mesh, dispatcher, axes, activation, options):
   expert_axis, token_axes, tensor_axis = axes
   if block is None:
     block = functools.partial(moe_ffn, mesh=mesh, dispatcher=dispatcher, expert_axis=expert_axis,
-                              token_axes=token_axes, tensor_axis=tensor_axis, **dict(options))
+                              token_axes=token_axes, tensor_axis=tensor_axis, activation=activation,
+                              **dict(options))
 
   def loss(diff, idx_TK):
     y_TD = block(diff["x_TD"], idx_TK, diff["w_TK"], diff["w_gate_EDF"], diff["w_up_EDF"], diff["w_down_EFD"])
@@ -111,7 +119,7 @@ def _values_and_grads(inputs, c_TD, *, block, mesh, dispatcher, axes, options):
 
 
 def values_and_grads(inputs, *, mesh=None, dispatcher=None, block=None, expert_axis=EXPERT, token_axes=None,
-                     tensor_axis=None, cotangent_seed=0, **options):
+                     tensor_axis=None, activation="swiglu", cotangent_seed=0, **options):
   """`moe_ffn`'s (or `block`'s) output and the gradients of Σ y·c (c = `cotangent`) w.r.t. everything it is
   differentiable in.
 
@@ -120,33 +128,35 @@ def values_and_grads(inputs, *, mesh=None, dispatcher=None, block=None, expert_a
 
   Args:
     inputs: `moe_ffn`'s arrays by name (`MOE_ARGS`), e.g. from `random_moe_inputs`.
-    mesh, dispatcher, expert_axis, token_axes, tensor_axis, **options: as for `moe_ffn`.
+    mesh, dispatcher, expert_axis, token_axes, tensor_axis, activation, **options: as for `moe_ffn`.
     block: instead of `moe_ffn` and those, a callable with `moe_ffn`'s positional signature (x_TD, idx_TK, w_TK,
       w_gate_EDF, w_up_EDF, w_down_EFD) returning y_TD; hashable (a function, not a fresh lambda per call, shares
       the compiled function).
     cotangent_seed: seed of c.
 
   Returns:
-    (y_TD, dict of gradients keyed by the names in `DIFF_ARGS`).
+    (y_TD, dict of gradients keyed by the names in `DIFF_ARGS`; None for a plain expert's absent w_up_EDF).
   """
   axes = (expert_axis, tuple(token_axes) if token_axes else None, tensor_axis)
   c_TD = cotangent(inputs["x_TD"].shape, cotangent_seed)
   return _values_and_grads({name: inputs[name] for name in MOE_ARGS}, c_TD, block=block, mesh=mesh,
-                           dispatcher=dispatcher, axes=axes, options=tuple(sorted(options.items())))
+                           dispatcher=dispatcher, axes=axes, activation=activation,
+                           options=tuple(sorted(options.items())))
 
 
 def dense_oracle(inputs, **kwargs):
   """`values_and_grads` of `moe_ffn`'s "dense" dispatcher on float32 copies of `inputs` (bfloat16 inputs stay as
-  rounded); kwargs: the same mesh and axes, no dispatcher options."""
-  f32 = {k: v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in inputs.items()}
+  rounded); kwargs: the same mesh, axes and activation, no dispatcher options."""
+  f32 = {k: v.astype(jnp.float32) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
+         for k, v in inputs.items()}
   return values_and_grads(f32, dispatcher="dense", **kwargs)
 
 
 def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol, x_TD, idx_TK, w_TK, w_gate_EDF,
                                 w_up_EDF, w_down_EFD, expert_axis=EXPERT, token_axes=None, tensor_axis=None,
-                                cotangent_seed=0, **options):
+                                activation="swiglu", cotangent_seed=0, **options):
   """Asserts that your MoE block (`block`, or `moe_ffn` under `dispatcher`) equals the dense float32 oracle, in
-  values and in the gradients w.r.t. x_TD, w_TK and the three expert weights.
+  values and in the gradients w.r.t. x_TD, w_TK and the expert weights.
 
   Also asserts that y_TD and every gradient have their input's shape and dtype and are finite. A failure names each
   array over rtol, the experts whose weight gradients differ and the token rows whose output or dx differ, so a
@@ -158,6 +168,8 @@ def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol,
       below. (For a Flax layer, see `assert_layer_matches_dense_oracle`.)
     mesh, dispatcher, expert_axis, token_axes, tensor_axis, **options: as for `moe_ffn`; the oracle runs on
       `mesh` (None: the `jax.set_mesh` context's) with these axes.
+    activation: the experts' (`moe_ffn`'s; w_up_EDF None for a plain one): the oracle's, and `moe_ffn`'s under
+      `dispatcher`.
     rtol: the largest max-norm relative error allowed per array (float32: ~1e-5; bfloat16: ~3e-2).
     x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD: the block's inputs.
     cotangent_seed: seed of the output cotangent the gradients are taken against.
@@ -174,7 +186,7 @@ def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol,
   inputs = dict(x_TD=x_TD, idx_TK=idx_TK, w_TK=w_TK, w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF,
                 w_down_EFD=w_down_EFD)
   axes = dict(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis,
-              cotangent_seed=cotangent_seed)
+              activation=activation, cotangent_seed=cotangent_seed)
   y_TD, grads = values_and_grads(inputs, block=block, dispatcher=dispatcher, **axes, **options)
   chex.assert_trees_all_equal_shapes_and_dtypes((y_TD, grads), (x_TD, {k: inputs[k] for k in DIFF_ARGS}))
   y_ref, grads_ref = dense_oracle(inputs, **axes)
@@ -288,4 +300,4 @@ def _listed(ids, most=16):
 
 
 def _named(y_TD, grads):
-  return dict(y_TD=y_TD, **{f"d{name}": g for name, g in grads.items()})
+  return dict(y_TD=y_TD, **{f"d{name}": g for name, g in grads.items() if g is not None})
