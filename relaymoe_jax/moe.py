@@ -221,7 +221,9 @@ def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
     y_TD = layout.place(layout.shard_map(oracle, in_specs=(P(),) * 6, out_specs=P())(
         *(None if a is None else layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, *weights))), tok)
   else:
-    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout, activation=activation)
+    # A dispatcher of the caller's own written before activations takes no `activation`: SwiGLU is its default.
+    by_name = {} if activation == "swiglu" else dict(activation=activation)
+    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout, **by_name)
   count = getattr(dispatcher, "dropped_pairs", None) if count_drops else None
   dropped = count(idx_TK, num_experts, layout=layout) if count else jnp.zeros((), jnp.int32)
   return (layout.place(y_TD, P())[:t] if pad else y_TD), dropped

@@ -12,7 +12,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import gate_up, grouped_matmul as gm, hopper_grouped as hg, hopper_weight_grad as hw
+from relaymoe_jax import activations, grouped_matmul as gm, hopper_grouped as hg, hopper_weight_grad as hw
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 # Rows 0–39 in group 0, group 1 empty, 40–89 in group 2; rows 90–99 in none (left unwritten by the kernel).
@@ -38,7 +38,7 @@ def _check_kernel(lhs, rhs, sizes, rows, **kernel_options):
   assert_close(out[:rows], expected[:rows], BF16_KERNEL_RTOL, "plain")
   h, kept = hg.grouped_matmul(lhs, rhs, sizes, swiglu=True, keep=True, **kernel_options)
   assert_close(kept[:rows], expected[:rows], BF16_KERNEL_RTOL, "gate|up kept")
-  assert_close(h[:rows], gate_up.swiglu(expected, jnp.float32)[:rows], BF16_KERNEL_RTOL, "h")
+  assert_close(h[:rows], activations.apply(expected, "swiglu", jnp.float32)[:rows], BF16_KERNEL_RTOL, "h")
   h_only = hg.grouped_matmul(lhs, rhs, sizes, swiglu=True, **kernel_options)
   np.testing.assert_array_equal(h_only[:rows], h[:rows])
 
@@ -96,7 +96,8 @@ def test_swiglu_kernel_path_matches_the_unfused_one_with_gradients():
 
   def unfused(x, w):
     gate_up_MU = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST)
-    return jnp.sum(gate_up.swiglu(gate_up_MU, jnp.float32) * c), gate_up.swiglu(gate_up_MU, jnp.float32)
+    h_MF = activations.apply(gate_up_MU, "swiglu", jnp.float32)
+    return jnp.sum(h_MF * c), h_MF
 
   (_, h_ref), grads_ref = jax.value_and_grad(unfused, argnums=(0, 1), has_aux=True)(x, w)
   assert_close(h, h_ref, 1e-6, "h")
@@ -112,7 +113,7 @@ def test_swiglu_kernel_falls_back_with_a_logged_reason(caplog):
   x, w = jnp.ones((8, 6)), jnp.ones((2, 6, 8))  # D = 6: the reference's stand-in constraint refuses it
   with caplog.at_level(logging.WARNING):
     assert gm.SWIGLU_BACKENDS["kernel_reference"](x, w, jnp.asarray([4, 4], jnp.int32), False) is None
-    y, kept = gm.expert_swiglu(x, w, jnp.ones((2, 4, 6)), jnp.asarray([4, 4], jnp.int32), backend="kernel_reference")
+    y, kept = gm.expert_mlp(x, w, jnp.ones((2, 4, 6)), jnp.asarray([4, 4], jnp.int32), backend="kernel_reference")
   assert "kernel_reference's fused gate/up kernel does not apply (D=6 is not a multiple of 4)" in caplog.text
   assert kept is None and y.shape == (8, 6)
 

@@ -18,6 +18,15 @@ def test_bytes_match_hand_computation_bf16():
   assert plan.mode == "ring_token"  # 58.98 MB against 75.50 MB per hop
 
 
+def test_two_matrix_experts_send_two_thirds_of_the_weights():
+  """Plain experts (activation gelu or relu: no up matrix): W = 2·D·F·b, which turns the choice above around."""
+  plan = rm.plan_dispatch(tokens_per_device=4096, d_model=1024, d_ff=512, num_experts=64, top_k=4, ring_size=8,
+                          expert_matrices=2)
+  assert plan.expert_routing.forward_bytes_per_hop == 8 * 2 * 1024 * 512 * 2
+  assert plan.expert_routing.backward_bytes_per_hop == 2 * 8 * 2 * 1024 * 512 * 2
+  assert plan.mode == "ring_expert"  # 50.33 MB against 58.98 MB per hop
+
+
 def test_bytes_match_hand_computation_f32_with_expert_tensor_parallelism():
   # T=1000, D=64, F=96, E=16, K=2, N=4, f32, ETP=2: L·W = 4·3·64·96·4/2 = 147 456; M = 2·(4+4) = 16.
   plan = rm.plan_dispatch(tokens_per_device=1000, d_model=64, d_ff=96, num_experts=16, top_k=2, ring_size=4,
