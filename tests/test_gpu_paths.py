@@ -78,6 +78,21 @@ def test_dispatcher_on_mosaic_kernels_matches_xla(name, regime, caplog):
   rmt.assert_trees_close(actual, _on_xla(regime), BF16_RTOL)
 
 
+@pytest.mark.parametrize("regime", sorted(ROWS))
+@pytest.mark.parametrize("activation, options", [("geglu", {}), ("gelu", {"keep_gate_up": True})])
+def test_other_activations_on_mosaic_kernels_match_xla(activation, options, regime, caplog):
+  """GeGLU and a plain two-matrix GELU expert: the SwiGLU epilogue does not apply (its logged reason: CPU tests), so
+  the plain kernels run the input projection and the activation runs after it; no fallback to xla."""
+  inputs = rmt.random_moe_inputs(31, ROWS[regime] // TOP_K, D_MODEL, D_FF, EXPERTS, TOP_K, dtype=jnp.bfloat16,
+                                 activation=activation)
+  run = functools.partial(rmt.values_and_grads, inputs, mesh=mesh_of((1, 1), DATA_EXPERT), dispatcher="ring_expert",
+                          activation=activation, **options)
+  with caplog.at_level(logging.WARNING):
+    actual = run(backend="mosaic_gpu")
+  assert "falls back to xla" not in caplog.text, caplog.text
+  rmt.assert_trees_close(actual, run(backend="xla"), BF16_RTOL)
+
+
 def test_dense_dispatcher_matches_the_expert_ring():
   """The oracle itself on the GPU, in bf16, on the same mesh: against the expert ring on `xla`."""
   actual = rmt.values_and_grads(_layer("jax_kernels"), mesh=mesh_of((1, 1), DATA_EXPERT), dispatcher="dense")
