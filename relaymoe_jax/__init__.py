@@ -6,8 +6,8 @@ point here):
   S     sequence positions
   T     tokens (on this device inside shard_map)
   D     model width
-  F     a SwiGLU's FFN width (an expert's, the dense MLP's, the shared expert's)
-  U     fused gate|up width (2F)
+  F     an FFN's width (an expert's, the dense MLP's, the shared expert's)
+  U     an expert's input-projection width: fused gate|up (2F) for gated activations, F for plain ones
   E     experts (global)
   L     experts per ring partition (also the groups of a grouped matmul)
   K     top-k
