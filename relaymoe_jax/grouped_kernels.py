@@ -150,8 +150,10 @@ def kernel_swiglu(kernels):
     (m, d), u, dtype = x_MD.shape, w_LDU.shape[2], jnp.dtype(x_MD.dtype)
     if kernels.swiglu is None:
       return None
-    reason = ((activation != "swiglu" and f"the activation is {activation}, the epilogue's is swiglu")
-              or kernels.swiglu_unsupported(m, d, u, dtype) or kernels.unsupported(m, u // 2, d, dtype))
+    if activation != "swiglu":
+      reason = f"the activation is {activation}, the epilogue's is swiglu"
+    else:
+      reason = kernels.swiglu_unsupported(m, d, u, dtype) or kernels.unsupported(m, u // 2, d, dtype)
     if reason:
       _log_swiglu_fallback(kernels.name, reason)
       return None

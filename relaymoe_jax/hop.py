@@ -86,8 +86,8 @@ def forward_pairs(tokens, pairs, weights, acc_TD, *, chunk_rows, backend, activa
                   gate_up_PU=None):
   """acc_TD (float32) += Σ over the range's pairs of w · expert(x) (`grouped_matmul.expert_mlp`).
 
-  `gate_up_PU`: a [P, U] buffer of the input projection x·W_in ([gate | up]) in sorted-pair order that the range's pairs are also written into,
-  for a backward that keeps them (None: not kept).
+  `gate_up_PU`: a [P, U] buffer of the input projection x·W_in ([gate | up]) in sorted-pair order that the range's
+  pairs are also written into, for a backward that keeps them (None: not kept).
 
   Returns:
     (acc_TD, gate_up_PU).

@@ -1,8 +1,8 @@
 """`moe_ffn`: the public MoE block over global sharded arrays, and the dispatcher registry.
 
 Every dispatcher computes y_TD = Σ_k w[t,k] · expert_{idx[t,k]}(x[t]) (an expert's activation: `activations`);
-they differ only in where the pairs are computed and what is held (see each dispatcher's module for what moves between devices). Shape letters: see
-relaymoe_jax.
+they differ only in where the pairs are computed and what is held (see each dispatcher's module for what moves
+between devices). Shape letters: see relaymoe_jax.
 """
 
 import dataclasses

@@ -133,8 +133,8 @@ class RingExpert:
       Qwen3-30B layer on 2×H200 (docs/overlap.md); off for larger rings, where the kept partition is memory
       per MoE layer and the home send can overlap the next layer's backward.
     keep_gate_up: the forward keeps the input projection x·[gate | up] (a plain expert's x·W_in) of every pair
-      (P × U elements per device, in x's dtype) for the backward, which then skips recomputing it: a quarter of a hop's backward matmul
-      FLOPs. Memory for speed, off by default (RelayMoE keeps nothing per pair).
+      (P × U elements per device, in x's dtype) for the backward, which then skips recomputing it: a quarter of a
+      hop's backward matmul FLOPs. Memory for speed, off by default (RelayMoE keeps nothing per pair).
   """
 
   chunk_rows: int | tuple[int, ...] | None = None

@@ -54,8 +54,9 @@ def _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_ga
 
 def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, activation="swiglu", recompute=True,
                    row_cap=None):
-  """`activation`: the experts' (`activations`); `row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's largest chunk at most this many rows.
-  `recompute=False` (the autodiff ablation): one chunk size and a fixed chunk count per hop."""
+  """`activation`: the experts' (`activations`). `row_cap` (a dispatcher's `max_chunk_rows`): the default ladder's
+  largest chunk at most this many rows. `recompute=False` (the autodiff ablation): one chunk size and a fixed chunk
+  count per hop."""
   check_row_cap(chunk_rows, row_cap)
   backend = resolve_backend(backend, layout.mesh)
   tokens_per_device = x_TD.shape[0] // layout.token_shards

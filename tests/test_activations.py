@@ -79,10 +79,11 @@ GRID = [((8,), E_ONLY, 16, 8, True, {}), ((4, 2), DATA_EXPERT, 16, 4, True, {"ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(GRID)))
-@pytest.mark.parametrize("dispatcher, options", [("ring_expert", {}), ("ring_expert", {"keep_gate_up": True}),
-                                                 ("ring_expert", {"reverse_backward": True}), ("ring_token", {}),
-                                                 ("auto", {}), ("all_to_all", {})])
+@pytest.mark.parametrize("case", range(len(GRID)), ids=["8-skew", "4x2-dp-ladder", "2x2x2-etp"])
+@pytest.mark.parametrize("dispatcher, options", [
+    ("ring_expert", {}), pytest.param("ring_expert", {"keep_gate_up": True}, id="ring_expert-keep_gate_up"),
+    pytest.param("ring_expert", {"reverse_backward": True}, id="ring_expert-reverse_backward"), ("ring_token", {}),
+    ("auto", {}), ("all_to_all", {})], ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("activation", activations.ACTIVATIONS)
 def test_activation_grid_matches_oracle(activation, dispatcher, options, case):
   shape, names, e, k, skew, more = GRID[case]
@@ -106,8 +107,9 @@ def _chunk(activation, rows=40, groups=(10, 0, 25)):
   rng = np.random.default_rng(5)
   u = (2 if activation in activations.GATED else 1) * D_FF
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 2 else 1), jnp.float32)
-  return dict(x_RD=f32(rows, D_MODEL), w_in_LDU=f32(len(groups), D_MODEL, u), w_down_LFD=f32(len(groups), D_FF, D_MODEL),
-              sizes_L=jnp.asarray(groups, jnp.int32), dy_RD=f32(rows, D_MODEL), w_R=f32(rows))
+  return dict(x_RD=f32(rows, D_MODEL), w_in_LDU=f32(len(groups), D_MODEL, u),
+              w_down_LFD=f32(len(groups), D_FF, D_MODEL), sizes_L=jnp.asarray(groups, jnp.int32),
+              dy_RD=f32(rows, D_MODEL), w_R=f32(rows))
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
