@@ -12,7 +12,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
+try:  # JAX 0.10 exports it here, JAX 0.11 does not
+  from jax.experimental.shard_alike import shard_alike
+except ImportError:
+  try:
+    from jax._src.shard_alike import shard_alike
+  except ImportError:  # y then keeps the sharding XLA gives it
+
+    def shard_alike(x, y):
+      return x, y
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
