@@ -8,6 +8,7 @@ import pytest
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
+from models import qwen3
 from models.qwen3_config import RuntimeConfig, load_config
 from relaymoe_jax.errors import UserError
 from train.cli import main
@@ -175,3 +176,21 @@ def test_no_emulated_cpu_devices_is_one_line(capsys):
     main(["--cpu-devices", "0", "--config", "cpu"])
   assert exit_info.value.code == 2
   assert capsys.readouterr().err == "relaymoe-train: error: --cpu-devices 0: must be ≥ 1\n"
+
+
+@pytest.mark.parametrize("mesh_shape,change,runtime,message", [
+    ((2, 4, 1), dict(hidden_size=60), dict(fsdp=True),
+     r"runtime.fsdp=true splits the parameter embed_VD of shape \(128, 60\) 8 ways \(data × expert\) along a "
+     "dimension of 60, which 8 does not divide"),
+    ((1, 4, 2), dict(moe_intermediate_size=63), dict(moe_tensor_parallel=True),
+     r"runtime.moe_tensor_parallel=true splits the parameter experts_in_EDF of shape \(8, 64, 63\) 2 ways \(tensor\)"),
+    ((1, 4, 2), dict(vocab_size=127), {}, r"mesh.tensor=2 splits the parameter lm_head_DV of shape \(64, 127\) 2 "
+                                          r"ways \(tensor\) along a dimension of 127"),
+], ids=["fsdp", "moe_tensor_parallel", "tensor"])
+def test_a_parameter_split_that_does_not_divide_is_named(mesh_shape, change, runtime, message):
+  """Found when the model is made from shapes (before the step compiles); JAX refused such a parameter only when
+  it was placed, and a --compile-only run reported memory for it."""
+  mesh = mesh_of(mesh_shape, ("data", "expert", "tensor"))
+  with pytest.raises(UserError, match=f"^{message}"):
+    qwen3.abstract(load_config("tiny", **change), mesh, runtime=RuntimeConfig(dtype="float32", **runtime))
+  qwen3.abstract(load_config("tiny"), mesh, runtime=RuntimeConfig(dtype="float32", **runtime))  # divides: fine
