@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
@@ -31,6 +32,9 @@ BAD = [
     ("E not divisible", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][:6], w_up_EDF=lambda l: l["w_up_EDF"][:6],
                              w_down_EFD=lambda l: l["w_down_EFD"][:6]), {},
      "E=6 experts is not divisible by the size 4"),
+    ("zero F", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][..., :0], w_up_EDF=lambda l: l["w_up_EDF"][..., :0],
+                    w_down_EFD=lambda l: l["w_down_EFD"][:, :0]), {},
+     "x_TD's width D=8 and the experts' width F=0 (w_gate_EDF (8, 8, 0"),
     ("top_k > E", dict(idx_TK=lambda l: jnp.zeros((32, 9), jnp.int32), w_TK=lambda l: jnp.zeros((32, 9))), {},
      "top_k=9"),
     ("w_TK shape", dict(w_TK=lambda l: l["w_TK"][:, :1]), {}, "w_TK"),
@@ -89,6 +93,27 @@ def test_constant_expert_ids_are_checked_under_jit():
 def test_route_rejects_integer_tokens():
   with pytest.raises(ValueError, match="floating-point x_TD; got dtype int32"):
     rm.route(jnp.ones((4, 3), jnp.int32), jnp.ones((3, 8)), top_k=2)
+
+
+def test_route_rejects_tokens_of_no_width():
+  with pytest.raises(UserError, match=r"router_DE \[D, E\], D ≥ 1; got \(4, 0\) and \(0, 8\)"):
+    rm.route(jnp.ones((4, 0)), jnp.ones((0, 8)), top_k=2)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    (dict(d_ff=0), "d_ff=0: must be ≥ 1"), (dict(d_ff=-4, shared_d_ff=-1), "d_ff=-4, shared_d_ff=-1: must be ≥ 1"),
+    (dict(d_model=0), "d_model=0: must be ≥ 1")])
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_the_layers_refuse_a_size_below_one(layer, sizes, message):
+  """Named before any parameter is made: a width of 0 divided by zero in the initializer, a negative one failed
+  inside MLIR."""
+  kwargs = dict(dict(num_experts=4, top_k=2, d_ff=8, mesh=mesh_of((4,), (rm.EXPERT,))), **sizes)
+  d_model = kwargs.pop("d_model", 8)
+  with pytest.raises(UserError, match=f"^{message}"):
+    if layer == "nnx":
+      rm.nnx.MoE(d_model, rngs=nnx.Rngs(0), **kwargs)
+    else:
+      rm.linen.MoE(**kwargs).init(jax.random.key(0), jnp.ones((8, d_model)))
 
 
 @pytest.mark.parametrize("top_k", [0, 9])
