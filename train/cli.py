@@ -32,6 +32,7 @@ from train.errors import run_cli
 from train.evaluate import evaluate_only
 from train.loop import run
 from train.profile import parse_window
+from train.xla_cache import use_compilation_cache
 
 
 def _parse(argv):
@@ -96,7 +97,7 @@ def _start(args, overrides):
     overrides.append(f"out_dir={json.dumps(args.out)}")  # quoted: YAML would read --out 2024 as a number
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+    use_compilation_cache(os.path.expanduser(config.compilation_cache_dir))
   _log_memory_limit()
   return config
 
