@@ -13,7 +13,8 @@ Exit status: 0 done; 2 the run cannot start as asked (a bad config, a busy or us
 a step that does not fit the device),
 printed as one line (`--debug` or RELAYMOE_DEBUG=1 for the traceback); 1 it failed while training (a non-finite
 loss, data changed under the run) or a bug (its traceback and a line saying so); 143 / 130 stopped by SIGTERM /
-Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
+Ctrl-C after saving a checkpoint, or before the first step with nothing to save (a second Ctrl-C aborts at once
+without saving).
 """
 
 import argparse
