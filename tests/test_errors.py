@@ -116,6 +116,18 @@ def test_the_layers_refuse_a_size_below_one(layer, sizes, message):
       rm.linen.MoE(**kwargs).init(jax.random.key(0), jnp.ones((8, d_model)))
 
 
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_the_layers_name_a_mesh_without_the_expert_axis_under_set_mesh_too(layer):
+  """JAX's `Resource axis: expert of P('expert', None, None) is not found in mesh` was what a Linen layer said under
+  `jax.set_mesh`."""
+  with jax.set_mesh(mesh_of((4,), ("experts",))), pytest.raises(
+      UserError, match=r"^expert_axis 'expert' is not an axis of the mesh \('experts',\)"):
+    if layer == "nnx":
+      rm.nnx.MoE(8, rngs=nnx.Rngs(0), num_experts=4, top_k=2, d_ff=8)
+    else:
+      rm.linen.MoE(num_experts=4, top_k=2, d_ff=8).init(jax.random.key(0), jnp.ones((8, 8)))
+
+
 @pytest.mark.parametrize("top_k", [0, 9])
 def test_route_rejects_top_k_out_of_range(top_k):
   with pytest.raises(ValueError, match=f"top_k={top_k}"):
