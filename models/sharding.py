@@ -60,16 +60,31 @@ def batch_shards(mesh, runtime):
   return math.prod(mesh.shape[a] for a in batch_axes(runtime))
 
 
-def param_spec(role, runtime):
+def param_spec(role, runtime, mesh=None, shape=None):
+  """Where a parameter of `role` lives; with `mesh` and `shape`, a UserError for a split that does not divide the
+  dimension it splits (JAX would refuse it only when the parameter is placed, after the step compiled)."""
   placeholders = {FSDP: TOKEN_AXES if runtime.fsdp else None, ETP: TENSOR if runtime.moe_tensor_parallel else None}
-  return P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
+  spec = P(*(placeholders.get(a, a) for a in PARAM_SPECS[role]))
+  for placeholder, axes, size in zip(PARAM_SPECS[role], spec, shape if mesh is not None else ()):
+    axes = (axes,) if isinstance(axes, str) else axes or ()
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if size % ways:
+      raise UserError(f"{SPLIT_BY[placeholder](mesh)} splits the parameter {role} of shape {tuple(shape)} {ways} "
+                      f"ways ({' × '.join(axes)}) along a dimension of {size}, which {ways} does not divide")
+  return spec
+
+
+# The setting that makes a PARAM_SPECS entry split a dimension, as the user wrote it.
+SPLIT_BY = {FSDP: lambda mesh: "runtime.fsdp=true", ETP: lambda mesh: "runtime.moe_tensor_parallel=true",
+            TENSOR: lambda mesh: f"mesh.tensor={mesh.shape[TENSOR]}",
+            EXPERT: lambda mesh: f"mesh.expert={mesh.shape[EXPERT]}"}
 
 
 def make_param(config, runtime, mesh, rngs, role, shape, init="normal"):
   """An `nnx.Param` of `role` (`PARAM_SPECS`) on the model's `mesh`, whichever mesh context the caller is in."""
   initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
       init, nnx.initializers.normal(config.initializer_range))
-  spec = tuple(param_spec(role, runtime))
+  spec = tuple(param_spec(role, runtime, mesh, shape))
   key = jax.device_put(rngs.params(), NamedSharding(mesh, P()))  # from a caller's context mesh onto the model's
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # where the parameter's sharding constraint is
     return nnx.Param(initializer(key, shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)

@@ -117,6 +117,10 @@ def check_experts_split(name, w, config, mesh):
 def param_shapes(config, d_model):
   """{name: (shape, PartitionSpec entries, fan-in)} of every parameter the block holds."""
   e, d, f, ax, tp = config.num_experts, d_model, config.d_ff, config.expert_axis, config.tensor_axis
+  bad = [f"{name}={n}" for name, n in dict(d_model=d, num_experts=e, d_ff=f, shared_d_ff=config.shared_d_ff or 0
+                                              ).items() if n < (name != "shared_d_ff")]
+  if bad:
+    raise UserError(f"{', '.join(bad)}: must be ≥ 1 (shared_d_ff ≥ 0: 0 or None is no shared expert)")
   params = dict(router_DE=((d, e), (None, None), d), w_gate_EDF=((e, d, f), (ax, None, tp), d),
                 w_up_EDF=((e, d, f), (ax, None, tp), d), w_down_EFD=((e, f, d), (ax, tp, None), f))
   if not activations.is_gated(config.activation):

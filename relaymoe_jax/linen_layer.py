@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.block import BlockConfig, axis_rules, check_experts_split, initializer, moe_block, param_shapes
+from relaymoe_jax.block import (BlockConfig, axis_rules, check_config, check_experts_split, initializer, moe_block,
+                                param_shapes)
 
 AUX_NAME = "moe_aux"  # the `sow`n name, in the "intermediates" collection
 __all__ = ["AUX_NAME", "MoE", "axis_rules"]
@@ -58,6 +59,7 @@ class MoE(nn.Module):
     config = self.block_config()
     params = {}
     mesh = jax.sharding.get_abstract_mesh() if self.mesh is None else self.mesh
+    check_config(config, mesh)  # the project's errors, not JAX's when a parameter is placed (a missing axis)
     for name, (shape, spec, fan_in) in param_shapes(config, x.shape[-1]).items():
       init = _placed(initializer(shape, fan_in, init_scale=self.init_scale, kernel_init=self.kernel_init),
                      self.mesh, spec)

@@ -68,6 +68,9 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   if wrong:
     raise UserError(f"shape mismatch: {wrong}; expected {expected} from x_TD {x_TD.shape} and "
                     f"w_gate_EDF {w_gate_EDF.shape}")
+  if d < 1 or f < 1:
+    raise UserError(f"x_TD's width D={d} and the experts' width F={f} (w_gate_EDF {tuple(w_gate_EDF.shape)}) must "
+                    "be ≥ 1")
   if not 1 <= k <= e:
     raise UserError(f"top_k={k} (idx_TK.shape[1]) must be between 1 and the number of experts E={e}")
   if not jnp.issubdtype(idx_TK.dtype, jnp.integer):

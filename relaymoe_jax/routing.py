@@ -79,8 +79,9 @@ def route(x_TD, router_DE, *, top_k, norm_topk_prob=True, bias_E=None):
   Returns:
     (idx_TK int32 expert ids [..., K], w_TK router weights [..., K] in x's dtype, RouterAux over every token).
   """
-  if x_TD.ndim < 1 or router_DE.ndim != 2 or x_TD.shape[-1] != router_DE.shape[0]:
-    raise UserError(f"route expects x_TD [..., D] and router_DE [D, E]; got {x_TD.shape} and {router_DE.shape}")
+  if x_TD.ndim < 1 or router_DE.ndim != 2 or x_TD.shape[-1] != router_DE.shape[0] or not x_TD.shape[-1]:
+    raise UserError(f"route expects x_TD [..., D] and router_DE [D, E], D ≥ 1; got {x_TD.shape} and "
+                    f"{router_DE.shape}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
     raise UserError(f"route expects floating-point x_TD; got dtype {x_TD.dtype}")
   num_experts = router_DE.shape[1]

@@ -1,6 +1,7 @@
 """`relaymoe-convert` and the trainer's `init_from`: Hugging Face ↔ orbax ↔ training runs, every tensor bit-exact."""
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -8,6 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 import yaml
+from orbax.checkpoint._src.path import atomicity
 
 from models import qwen3
 from models.hf import to_hf
@@ -132,3 +134,18 @@ def test_fine_tuning_a_transformers_checkpoint_lowers_its_loss(tmp_path):
                                    "runtime.dtype=bfloat16", f"init_from=hf:{fixture}", f"out_dir={tmp_path / 'run'}"])
   losses = [r["loss"] for r in run(config)]
   assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_full_disk_during_hf_to_orbax_is_one_line(hf_dir, tmp_path, monkeypatch, capfd):
+  def disk_full(self):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)  # orbax's last act of a save
+  monkeypatch.setattr(convert, "initial_params", lambda *_: {"embed_VD": np.ones((8, 4), np.float32)})  # fast
+  with pytest.raises(SystemExit) as exit_info:
+    convert.main(["hf-to-orbax", str(hf_dir), str(tmp_path / "orbax")])
+  stderr = capfd.readouterr().err
+  assert exit_info.value.code == 1 and stderr.count("\n") == 1, stderr[-3000:]
+  assert stderr.startswith(f"relaymoe-convert: error: no space left on the device of {tmp_path / 'orbax' / 'params'} "
+                           "to write the parameters: it needs up to 0.1 KiB (128 bytes) and "), stderr
+  assert not (tmp_path / "orbax" / "model.yaml").exists()

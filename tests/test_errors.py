@@ -5,9 +5,11 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
+from models import qwen3
 from models.qwen3_config import RuntimeConfig, load_config
 from relaymoe_jax.errors import UserError
 from train.cli import main
@@ -30,6 +32,9 @@ BAD = [
     ("E not divisible", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][:6], w_up_EDF=lambda l: l["w_up_EDF"][:6],
                              w_down_EFD=lambda l: l["w_down_EFD"][:6]), {},
      "E=6 experts is not divisible by the size 4"),
+    ("zero F", dict(w_gate_EDF=lambda l: l["w_gate_EDF"][..., :0], w_up_EDF=lambda l: l["w_up_EDF"][..., :0],
+                    w_down_EFD=lambda l: l["w_down_EFD"][:, :0]), {},
+     "x_TD's width D=8 and the experts' width F=0 (w_gate_EDF (8, 8, 0"),
     ("top_k > E", dict(idx_TK=lambda l: jnp.zeros((32, 9), jnp.int32), w_TK=lambda l: jnp.zeros((32, 9))), {},
      "top_k=9"),
     ("w_TK shape", dict(w_TK=lambda l: l["w_TK"][:, :1]), {}, "w_TK"),
@@ -88,6 +93,39 @@ def test_constant_expert_ids_are_checked_under_jit():
 def test_route_rejects_integer_tokens():
   with pytest.raises(ValueError, match="floating-point x_TD; got dtype int32"):
     rm.route(jnp.ones((4, 3), jnp.int32), jnp.ones((3, 8)), top_k=2)
+
+
+def test_route_rejects_tokens_of_no_width():
+  with pytest.raises(UserError, match=r"router_DE \[D, E\], D ≥ 1; got \(4, 0\) and \(0, 8\)"):
+    rm.route(jnp.ones((4, 0)), jnp.ones((0, 8)), top_k=2)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    (dict(d_ff=0), "d_ff=0: must be ≥ 1"), (dict(d_ff=-4, shared_d_ff=-1), "d_ff=-4, shared_d_ff=-1: must be ≥ 1"),
+    (dict(d_model=0), "d_model=0: must be ≥ 1")])
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_the_layers_refuse_a_size_below_one(layer, sizes, message):
+  """Named before any parameter is made: a width of 0 divided by zero in the initializer, a negative one failed
+  inside MLIR."""
+  kwargs = dict(dict(num_experts=4, top_k=2, d_ff=8, mesh=mesh_of((4,), (rm.EXPERT,))), **sizes)
+  d_model = kwargs.pop("d_model", 8)
+  with pytest.raises(UserError, match=f"^{message}"):
+    if layer == "nnx":
+      rm.nnx.MoE(d_model, rngs=nnx.Rngs(0), **kwargs)
+    else:
+      rm.linen.MoE(**kwargs).init(jax.random.key(0), jnp.ones((8, d_model)))
+
+
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_the_layers_name_a_mesh_without_the_expert_axis_under_set_mesh_too(layer):
+  """JAX's `Resource axis: expert of P('expert', None, None) is not found in mesh` was what a Linen layer said under
+  `jax.set_mesh`."""
+  with jax.set_mesh(mesh_of((4,), ("experts",))), pytest.raises(
+      UserError, match=r"^expert_axis 'expert' is not an axis of the mesh \('experts',\)"):
+    if layer == "nnx":
+      rm.nnx.MoE(8, rngs=nnx.Rngs(0), num_experts=4, top_k=2, d_ff=8)
+    else:
+      rm.linen.MoE(num_experts=4, top_k=2, d_ff=8).init(jax.random.key(0), jnp.ones((8, 8)))
 
 
 @pytest.mark.parametrize("top_k", [0, 9])
@@ -175,3 +213,21 @@ def test_no_emulated_cpu_devices_is_one_line(capsys):
     main(["--cpu-devices", "0", "--config", "cpu"])
   assert exit_info.value.code == 2
   assert capsys.readouterr().err == "relaymoe-train: error: --cpu-devices 0: must be ≥ 1\n"
+
+
+@pytest.mark.parametrize("mesh_shape,change,runtime,message", [
+    ((2, 4, 1), dict(hidden_size=60), dict(fsdp=True),
+     r"runtime.fsdp=true splits the parameter embed_VD of shape \(128, 60\) 8 ways \(data × expert\) along a "
+     "dimension of 60, which 8 does not divide"),
+    ((1, 4, 2), dict(moe_intermediate_size=63), dict(moe_tensor_parallel=True),
+     r"runtime.moe_tensor_parallel=true splits the parameter experts_in_EDF of shape \(8, 64, 63\) 2 ways \(tensor\)"),
+    ((1, 4, 2), dict(vocab_size=127), {}, r"mesh.tensor=2 splits the parameter lm_head_DV of shape \(64, 127\) 2 "
+                                          r"ways \(tensor\) along a dimension of 127"),
+], ids=["fsdp", "moe_tensor_parallel", "tensor"])
+def test_a_parameter_split_that_does_not_divide_is_named(mesh_shape, change, runtime, message):
+  """Found when the model is made from shapes (before the step compiles); JAX refused such a parameter only when
+  it was placed, and a --compile-only run reported memory for it."""
+  mesh = mesh_of(mesh_shape, ("data", "expert", "tensor"))
+  with pytest.raises(UserError, match=f"^{message}"):
+    qwen3.abstract(load_config("tiny", **change), mesh, runtime=RuntimeConfig(dtype="float32", **runtime))
+  qwen3.abstract(load_config("tiny"), mesh, runtime=RuntimeConfig(dtype="float32", **runtime))  # divides: fine

@@ -24,7 +24,7 @@ from tensorboardX.proto import event_pb2
 from conftest import requires_devices
 from models import qwen3
 from test_train import REPO, tiny_run
-from train import convert
+from train import convert, xla_cache
 from train.checkpoints import Checkpoints, CheckpointSaveFailed
 from train.cli import main
 from train.compile import abstract_train_state
@@ -324,3 +324,52 @@ def test_a_resumed_run_replaces_the_tensorboard_events_of_the_steps_it_replays(t
   assert starts == [3]  # TensorBoard drops the earlier events of steps ≥ 3
   assert {v.tag for e in events for v in e.summary.value} == {"loss", "tokens_per_s", "tflops_per_device",
                                                                "peak_memory_bytes"}
+
+
+def test_a_damaged_compilation_cache_entry_is_named_and_removed(tmp_path, capsys):
+  """JAX warns without naming the file, compiles, and never replaces an entry it holds: the entry is removed so
+  the compile that follows caches it anew, not compiled again on every run."""
+  entry = tmp_path / "jit_step-abc-cache"
+  entry.write_bytes(b"not zstd")
+  (tmp_path / "jit_step-abc-atime").write_bytes(b"12345678")
+  (tmp_path / "jit_other-def-cache").write_bytes(b"fine")
+
+  def read(cache_key, compile_options, backend):  # as JAX's, on a damaged entry
+    raise ValueError(f"Error -3 while decompressing {(tmp_path / f'{cache_key}-cache').read_bytes()!r}")
+
+  with pytest.raises(ValueError, match="decompressing"):  # JAX warns and compiles
+    xla_cache.dropping_damaged_entries(read, tmp_path)("jit_step-abc", None, None)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_other-def-cache"]
+  assert capsys.readouterr().err == (f"warning: removed the compilation cache entry {entry}, which does not read "
+                                     "(ValueError: Error -3 while decompressing b'not zstd'): compiled again and "
+                                     "cached anew\n")
+
+
+# A jitted function run twice with its cache entries damaged in between, and a third time.
+CACHED = """
+import sys
+import jax, jax.numpy as jnp
+from train.xla_cache import use_compilation_cache
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+use_compilation_cache(sys.argv[1])
+print(jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)))
+"""
+
+
+@pytest.mark.slow  # three Python processes that import JAX: 6-15 s on 2 cores
+def test_a_damaged_compilation_cache_entry_is_compiled_once_more_not_forever(tmp_path):
+  def cached_run():
+    return subprocess.run([sys.executable, "-c", CACHED, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO), check=True)
+
+  cached_run()
+  entries = {p: p.read_bytes() for p in tmp_path.glob("*-cache")}
+  assert entries
+  for path in entries:
+    path.write_bytes(b"damaged")
+  stderr = cached_run().stderr
+  for path in entries:
+    assert f"warning: removed the compilation cache entry {path}, which does not read (" in stderr, stderr
+    assert path.read_bytes() not in (b"damaged", b"")  # cached anew
+  assert "warning" not in cached_run().stderr.lower()

@@ -405,10 +405,19 @@ def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_p
 def test_relaymoe_plan_refuses_a_bad_variant_or_out_before_any_compile(tmp_path, capsys, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
   monkeypatch.setattr(plan_search, "make_planner", lambda *args, **kwargs: pytest.fail("planned"))
+
+  def no_cuda_plugin(platform, **kwargs):  # as JAX without its CUDA plugin, also where it is installed
+    raise NotImplementedError(f"topology not implemented for {platform}")
+
+  monkeypatch.setattr(plan_search.topologies, "get_topology_desc", no_cuda_plugin)
   (tmp_path / "file").write_text("")
   for argv, message in ((["--variants", "ring,bogus"], "unknown variant 'bogus'; known: "),
                         (["--out", str(tmp_path / "file" / "sub")], f"--out {tmp_path / 'file' / 'sub'}: cannot "
-                                                                    "write plan.json there (")):
+                                                                    "write plan.json there ("),
+                        (["--topology", "1x1x8", "--target-config", str(tmp_path / "h100.txtpb")],
+                         f"--target-config {tmp_path / 'h100.txtpb'}: cannot read it (No such file"),
+                        (["--topology", "1x1x8"], "--topology 1x1x8 compiles for GPUs with JAX's CUDA plugin, which "
+                                                  'is not installed: pip install "jax[cuda12]==')):
     with pytest.raises(SystemExit) as exit_info:
       cli.plan_main(["--config", "cpu", "--out", str(tmp_path / "out"), *OVERRIDES, *argv])
     stderr = capsys.readouterr().err

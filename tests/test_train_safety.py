@@ -22,7 +22,8 @@ from train.errors import exit_status
 from train.loop import run
 from train.mesh import run_mesh
 from train.sources import model_config_for
-from train.preempt import StopRequest
+from train import compile as train_compile, plan as planning, preempt
+from train.preempt import StopRequest, Stopped
 from train.rundir import RunDirectory, RunDirectoryError
 
 
@@ -138,7 +139,7 @@ def test_one_run_at_a_time_holds_the_directory(tmp_path):
     pass
 
 
-def test_a_second_ctrl_c_aborts_at_once():
+def test_a_repeated_signal_does_not_change_the_plan():
   previous = signal.getsignal(signal.SIGINT)
   with StopRequest() as stop:
     assert stop.requested() is None
@@ -146,10 +147,82 @@ def test_a_second_ctrl_c_aborts_at_once():
     assert stop.requested() == signal.SIGINT  # the first asks the loop to save and stop
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested() == signal.SIGINT  # a repeated signal does not change the plan
-    with pytest.raises(KeyboardInterrupt):
-      os.kill(os.getpid(), signal.SIGINT)
-      time.sleep(1)
   assert signal.getsignal(signal.SIGINT) is previous
+
+
+# A process whose main thread is in a compile: it runs no signal handler until the compile returns (SIGINT blocked
+# there stands in for it). A handler's KeyboardInterrupt raised inside jaxlib's compile ended in a segmentation fault
+# or `pure virtual method called` a minute later, once Python had shut down under the compile still running.
+IN_A_COMPILE = """
+import signal, time
+from train import compile as train_compile, plan as planning, preempt
+from train.preempt import StopRequest, Stopped
+with StopRequest():
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  print("compiling", flush=True)
+  time.sleep(60)
+"""
+
+
+def test_a_second_ctrl_c_ends_the_process_from_a_thread_of_its_own(monkeypatch, capfd):
+  """Not from a handler in the main thread, which runs only between bytecodes (not inside a compile), and whose
+  exception could land in any callback."""
+  exits = []
+  monkeypatch.setattr(preempt.os, "_exit", exits.append)
+  with StopRequest():
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.time() + 10
+    while not exits and time.time() < deadline:
+      time.sleep(0.01)
+  assert exits == [130]
+  assert capfd.readouterr().err == ("\nrelaymoe-train: got SIGTERM; saving a checkpoint after this step, then stopping "
+                                    "(Ctrl-C again to abort without saving)\nrelaymoe-train: interrupted again: "
+                                    "aborted without saving\n")
+
+
+@pytest.mark.slow  # a Python process of its own that imports JAX: 2-6 s on 2 cores
+def test_a_second_ctrl_c_ends_the_process_at_once_even_inside_a_compile():
+  proc = subprocess.Popen([sys.executable, "-c", IN_A_COMPILE], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+  try:
+    assert proc.stdout.readline() == "compiling\n"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=20)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, stderr
+  assert stderr == ("\nrelaymoe-train: got SIGINT; saving a checkpoint after this step, then stopping (Ctrl-C again to "
+                    "abort without saving)\nrelaymoe-train: interrupted again: aborted without saving\n"), stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-compile-at-a-time", "compiles-at-once"])
+def test_sigterm_while_planning_stops_before_the_next_compile(tmp_path, monkeypatch, workers):
+  """runtime.remat=auto compiles several steps before the first one runs (minutes on a GPU): a SIGTERM among them
+  stops the run before the next compile, with nothing to save, instead of after every remaining compile."""
+  traced = []
+
+  def trace_and_get_terminated(run_config, devices=None):  # stands in for the step's trace; then the compile
+    traced.append(run_config.runtime.remat)
+    if len(traced) == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.time() + 10
+    while not preempt._AT_ONCE.signum and time.time() < deadline:  # the main thread's handler has run
+      time.sleep(0.01)
+    return (None,) * 5
+
+  monkeypatch.setattr(train_compile, "trace_step", trace_and_get_terminated)
+  monkeypatch.setattr(planning, "concurrent_compiles", lambda devices=None: workers)
+  config = tiny_run(tmp_path, runtime=dataclasses.replace(tiny_run(tmp_path).runtime, remat="auto"),
+                    device_memory_gib=0.001)
+  with pytest.raises(Stopped) as stopped:
+    run(config)
+  assert str(stopped.value) == ("stopped by SIGTERM before the first step, while planning or compiling it: nothing "
+                                "to save") and exit_status(stopped.value) == 143
+  assert 1 <= len(traced) <= workers, traced  # of the three uniform steps, only those already started
+  assert not (tmp_path / "run").exists()  # nothing of its own left behind
 
 
 @pytest.mark.slow  # an end-to-end run; CI's second step runs it

@@ -34,9 +34,8 @@ class Checkpoints:
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True))
     self.pending = None  # (step, bytes, start time) of the save in flight
     self.last_saved = None
-    self.failed = False
     _quiet_closed_event_loops()
-    self.log_filter = _DiskFullLogFilter(self)
+    self.log_filter = _DiskFullLogFilter()
     for logger in LOGGERS:
       logging.getLogger(logger).addFilter(self.log_filter)
 
@@ -74,6 +73,11 @@ class Checkpoints:
     step, nbytes, start = self.pending
     self.pending, self.last_saved = None, step
     log_on_process_0(f"saved checkpoint step {step} ({size(nbytes)}) in {time.perf_counter() - start:.1f} s")
+
+  @property
+  def failed(self):
+    """Whether a save failed for a full disk (reported once; orbax's threads fail on until exit)."""
+    return self.log_filter.failed
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -233,20 +237,48 @@ def checksums(state):
 def _reporting_disk_full(checkpoints):
   """A full disk in what runs inside becomes one CheckpointSaveFailed naming the bytes and the last good
   checkpoint; other errors pass unchanged."""
+  step, nbytes, _ = checkpoints.pending
+  good = [s for s in checkpoint_steps(checkpoints.directory) if s < step]
+  with naming_a_full_disk(checkpoints.log_filter, checkpoints.directory, f"save checkpoint step {step}", nbytes,
+                          f"the last good checkpoint is step {good[-1]} in {checkpoints.directory}" if good else
+                          "there is no good checkpoint yet"):
+    yield
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(log_filter, directory, what, nbytes, then):
+  """A full disk in what runs inside becomes one CheckpointSaveFailed, `no space left on the device of DIRECTORY
+  to WHAT: it needs ... bytes are free; THEN`, and `log_filter` drops orbax's logs from then on; other errors pass
+  unchanged."""
   try:
     yield
   except Exception as err:
     if not any(_disk_full(e) for e in _chain(err)):
       raise
-    checkpoints.failed = True
-    step, nbytes, _ = checkpoints.pending
-    directory = checkpoints.directory
-    good = [s for s in checkpoint_steps(directory) if s < step]
+    log_filter.failed = True
+    free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
     raise CheckpointSaveFailed(
-        f"no space left on the device of {directory} to save checkpoint step {step}: it needs up to "
-        f"{size(nbytes)} ({nbytes} bytes) and {shutil.disk_usage(directory).free} bytes are free; " + (
-            f"the last good checkpoint is step {good[-1]} in {directory}" if good else
-            "there is no good checkpoint yet")) from err
+        f"no space left on the device of {directory} to {what}: it needs up to {size(nbytes)} ({nbytes} bytes) "
+        f"and {free} bytes are free; {then}") from err
+
+
+def save_params(directory, params):
+  """`params` as one orbax checkpoint in `directory` (`relaymoe-convert hf-to-orbax`); a full disk is one
+  CheckpointSaveFailed naming the bytes, not the tracebacks of orbax's threads."""
+  _quiet_closed_event_loops()
+  log_filter = _DiskFullLogFilter()
+  nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  for logger in LOGGERS:
+    logging.getLogger(logger).addFilter(log_filter)
+  try:
+    with naming_a_full_disk(log_filter, directory, "write the parameters", nbytes,
+                            "nothing usable was written: free space and run it again"):
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory, params)
+  finally:
+    if not log_filter.failed:  # after a failure orbax's threads go on failing until the process exits
+      for logger in LOGGERS:
+        logging.getLogger(logger).removeFilter(log_filter)
 
 
 def _disk_full(err):
@@ -268,14 +300,15 @@ LOGGERS = ("absl", "asyncio")
 
 class _DiskFullLogFilter(logging.Filter):
   """Drops the logged tracebacks of a full disk (each of orbax's threads logs one, hundreds of lines), and once a
-  save failed (`CheckpointSaveFailed` says it in one line) the errors of orbax's threads that go on until exit."""
+  save failed (`CheckpointSaveFailed` says it in one line: `failed`) the errors of orbax's threads that go on
+  until exit."""
 
-  def __init__(self, checkpoints):
+  def __init__(self):
     super().__init__()
-    self.checkpoints = checkpoints
+    self.failed = False
 
   def filter(self, record):
-    if self.checkpoints.failed:
+    if self.failed:
       return False
     return not any(text in record.getMessage() or text in str(record.exc_info and record.exc_info[1])
                    for text in DISK_FULL_TEXTS)

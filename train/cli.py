@@ -13,7 +13,8 @@ Exit status: 0 done; 2 the run cannot start as asked (a bad config, a busy or us
 a step that does not fit the device),
 printed as one line (`--debug` or RELAYMOE_DEBUG=1 for the traceback); 1 it failed while training (a non-finite
 loss, data changed under the run) or a bug (its traceback and a line saying so); 143 / 130 stopped by SIGTERM /
-Ctrl-C after saving a checkpoint (a second Ctrl-C aborts without saving).
+Ctrl-C after saving a checkpoint, or before the first step with nothing to save (a second Ctrl-C aborts at once
+without saving).
 """
 
 import argparse
@@ -32,6 +33,7 @@ from train.errors import run_cli
 from train.evaluate import evaluate_only
 from train.loop import run
 from train.profile import parse_window
+from train.xla_cache import use_compilation_cache
 
 
 def _parse(argv):
@@ -96,7 +98,7 @@ def _start(args, overrides):
     overrides.append(f"out_dir={json.dumps(args.out)}")  # quoted: YAML would read --out 2024 as a number
   config = load_run_config(args.config or ("gpu" if jax.default_backend() == "gpu" else "cpu"), overrides)
   if config.compilation_cache_dir:  # before anything compiles: JAX reads it once
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+    use_compilation_cache(os.path.expanduser(config.compilation_cache_dir))
   _log_memory_limit()
   return config
 

@@ -16,6 +16,7 @@ from models import qwen3
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
 from models.sharding import batch_spec
 from relaymoe_jax import mosaic_gpu
+from train import preempt
 from train.config import RunConfig
 from train.data import batch_keys
 from train.mesh import run_mesh
@@ -70,7 +71,9 @@ class CompiledStep(NamedTuple):
 def compile_step(run_config: RunConfig, devices=None, memory_only=False) -> CompiledStep:
   """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
   --topology`): nothing runs. `memory_only`: a step compiled to learn its memory, never run (`MEMORY_ONLY_OPTIONS`)."""
+  preempt.check()  # a signal while the trainer plans its step stops it before the next compile
   traced, graphdef, state, mesh, model_config = trace_step(run_config, devices)
+  preempt.check()
   start = time.perf_counter()
   compiled = traced.lower().compile(memory_only_options(devices) if memory_only else None)
   return CompiledStep(compiled, graphdef, state, mesh, model_config, run_config.runtime,

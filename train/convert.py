@@ -19,13 +19,12 @@ import pathlib
 import sys
 
 import jax
-import orbax.checkpoint as ocp
 import yaml
 
 from models.config import override, parse_assignment
 from models.hf import check_export_target, to_hf
 from relaymoe_jax.errors import MissingInput, UserError
-from train.checkpoints import Checkpoints
+from train.checkpoints import Checkpoints, save_params
 from train.compile import abstract_train_state
 from train.config import MeshConfig
 from train.errors import run_cli
@@ -45,8 +44,7 @@ def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
   config, _ = source_config(init_from, overrides)
   params = initial_params(init_from, config, CONVERTED_RUNTIME, mesh)
   out_dir.mkdir(parents=True, exist_ok=True)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(out_dir / PARAMS, params)
+  save_params(out_dir / PARAMS, params)
   if jax.process_index() == 0:
     write_model_yaml(config, out_dir / MODEL_YAML)
   return config

@@ -95,13 +95,14 @@ def _train(run_config, resume, checkpoints, stop, profile):
   model_config = model_config_for(run_config)
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
   stamp = data_stamp(run_config.data)
-  run_config, remat_plan, step = resolve_remat(run_config, resume)
-  run_config, step = resolve_loss_chunk(run_config, step)
-  if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
-    log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
-                     "devices)")
-    step = compile_step(run_config)
-  memory = check_fits(run_config, step, suggest)  # before anything is allocated
+  with stop.at_once():  # a signal while the step is planned and compiled (minutes) stops the run there
+    run_config, remat_plan, step = resolve_remat(run_config, resume)
+    run_config, step = resolve_loss_chunk(run_config, step)
+    if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
+      log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
+                       "devices)")
+      step = compile_step(run_config)
+    memory = check_fits(run_config, step, suggest)  # before anything is allocated
   compiled, mesh, compile_s = step.compiled, step.mesh, step.compile_s
   runtime = run_config.runtime
   if run_config.init_from and not resume:

@@ -176,9 +176,12 @@ class Planner:
     workers = min(len(todo), concurrent_compiles(self.devices))
     if workers < 2:
       return
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
       for future in [pool.submit(self.measure, r, **changes) for r in todo]:
         future.result()
+    finally:  # on an error or a stop (`train.preempt`), the compiles not yet started are dropped
+      pool.shutdown(cancel_futures=True)
 
   def plan(self, **changes):
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not

@@ -4,12 +4,14 @@ machine's devices or for a GPU host it is not (`topology_devices`)."""
 
 import dataclasses
 import math
+import pathlib
 
+import jax
 from jax.experimental import topologies
 
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.errors import UserError
+from relaymoe_jax.errors import MissingInput, UserError
 from train.mesh import build_mesh
 from train.plan import make_planner
 
@@ -101,5 +103,14 @@ def topology_devices(topology, target_config=None):
   """Compile-only devices of a GPU host this machine is not (`topology` "1x1x8": slices x hosts x GPUs per host,
   of this machine's GPU kind unless `target_config`, a GpuTargetConfigProto text file, says otherwise): the step
   is compiled for them and never run."""
-  kwargs = dict(target_config=open(target_config).read()) if target_config else {}
-  return topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs).devices
+  kwargs = {}
+  if target_config:
+    try:
+      kwargs["target_config"] = pathlib.Path(target_config).read_text()
+    except OSError as err:
+      raise MissingInput(f"--target-config {target_config}: cannot read it ({err.strerror or err})") from None
+  try:
+    return topologies.get_topology_desc(platform="cuda", topology=topology, **kwargs).devices
+  except NotImplementedError:  # JAX without its CUDA plugin knows no GPU topology
+    raise UserError(f"--topology {topology} compiles for GPUs with JAX's CUDA plugin, which is not installed: "
+                    f'pip install "jax[cuda12]=={jax.__version__}" (no GPU needed)') from None
