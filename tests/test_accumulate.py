@@ -13,6 +13,7 @@ from conftest import assert_close, requires_devices
 from models import qwen3
 from models.qwen3_config import RuntimeConfig, load_config
 from train.accumulate import accumulated_value_and_grad, micro_batches_of
+from train import data as train_data
 from train.data import SyntheticLanguage
 from train.mesh import build_mesh, global_batch
 from train.config import MeshConfig
@@ -22,19 +23,23 @@ F32 = RuntimeConfig(dtype="float32", dispatcher="dense")  # the MoE math is not 
 
 
 @functools.lru_cache(maxsize=None)
-def _setup(router_aux_loss_coef):
+def _setup(router_aux_loss_coef, documents=False):
   requires_devices(8)
   mesh = build_mesh(MeshConfig(data=2, expert=4))
   # A coefficient of 1 and z-loss make the router losses' share of every gradient large enough to see.
   config = load_config("tiny", router_aux_loss_coef=router_aux_loss_coef, router_z_loss_coef=0.01)
   graphdef, state = nnx.split(qwen3.create_sharded(config, mesh, seed=3, runtime=F32))
   params = nnx.to_pure_dict(state)
-  tokens = global_batch({"tokens": np.random.default_rng(0).integers(0, config.vocab_size, (16, 17))}, mesh, F32)
-  return config, graphdef, params, tokens
+  tokens_BS1 = np.random.default_rng(0).integers(0, config.vocab_size, (16, 17))
+  if documents:  # an end of document (id 0) in every other row of one micro-batch: the micro-batches count apart
+    tokens_BS1[tokens_BS1 == 0] = 1
+    tokens_BS1[0::4, 5] = 0
+  batch = train_data.documents(tokens_BS1, 0 if documents else None)
+  return config, graphdef, params, global_batch(batch, mesh, F32)
 
 
-def _whole_and_accumulated(router_aux_loss_coef, micro_batches=2):
-  config, graphdef, params, tokens = _setup(router_aux_loss_coef)
+def _whole_and_accumulated(router_aux_loss_coef, micro_batches=2, documents=False):
+  config, graphdef, params, tokens = _setup(router_aux_loss_coef, documents)
   whole = jax.jit(lambda p, t: jax.value_and_grad(loss_fn, has_aux=True)(p, graphdef, t, config))(params, tokens)
   accumulated = jax.jit(lambda p, t: accumulated_value_and_grad(loss_fn, p, graphdef, t, config, micro_batches))(
       params, tokens)
@@ -42,11 +47,12 @@ def _whole_and_accumulated(router_aux_loss_coef, micro_batches=2):
 
 
 @pytest.mark.slow  # compiles the model's gradient twice (~40 s on 2 cores); CI's second step runs it
-@pytest.mark.parametrize("coef", [1.0, 0.0])
-def test_accumulated_step_equals_the_whole_batch(coef):
+@pytest.mark.parametrize("coef, documents", [(1.0, False), (0.0, False), (1.0, True)])
+def test_accumulated_step_equals_the_whole_batch(coef, documents):
   """Loss, ce, load-balancing and z-loss, every gradient (router included) and the per-layer pair counts of two
-  micro-batches equal one step over the whole batch (float32, 1e-5)."""
-  ((loss, parts), grads), ((acc_loss, acc_parts), acc_grads) = _whole_and_accumulated(coef)
+  micro-batches equal one step over the whole batch (float32, 1e-5); with packed documents too, whose dropped
+  targets leave the micro-batches different counts."""
+  ((loss, parts), grads), ((acc_loss, acc_parts), acc_grads) = _whole_and_accumulated(coef, documents=documents)
   for name, a, b in (("loss", acc_loss, loss), *((k, acc_parts[k], parts[k]) for k in
                                                  ("ce", "load_balancing_loss", "router_z_loss"))):
     assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b)), (name, float(a), float(b))

@@ -38,6 +38,16 @@ def whole_batch_fraction(params, graphdef, batch_A, model_config):
   return jnp.sum(total_YE, axis=0).astype(jnp.float32) / (sparse * a * b * (s1 - 1))
 
 
+def _cross_entropy_weights(batch_A, micro_batches):
+  """[A] float32: each micro-batch's share of the whole batch's counted targets, times A, so that the mean over
+  micro-batches of their weighted cross-entropies is the whole batch's (`train.data.documents` drops the targets
+  that cross a document, and micro-batches hold different counts); None without documents (every share is 1)."""
+  if "segment_ids" not in batch_A:
+    return None
+  counted_A = jax.vmap(lambda batch: jnp.sum(next_token_inputs(batch)[2]["weights_BS"].astype(jnp.float32)))(batch_A)
+  return micro_batches * counted_A / jnp.maximum(jnp.sum(counted_A), 1.0)
+
+
 def accumulated_value_and_grad(loss_fn, params, graphdef, batch, model_config, micro_batches,
                                param_shardings=None):
   """((loss, parts), grads) of the whole batch, as `jax.value_and_grad(loss_fn, has_aux=True)` gives them for it
@@ -51,19 +61,22 @@ def accumulated_value_and_grad(loss_fn, params, graphdef, batch, model_config, m
     fraction_E = (whole_batch_fraction(params, graphdef, batch_A, model_config)
                   if model_config.router_aux_loss_coef else jnp.zeros((model_config.num_experts,), jnp.float32))
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+  ce_weight_A = _cross_entropy_weights(batch_A, micro_batches)
 
-  def one(carry, batch):
-    (loss, parts), grads = value_and_grad(params, graphdef, batch, model_config, fraction_E)
+  def one(carry, batch_and_weight):
+    batch, ce_weight = batch_and_weight
+    (loss, parts), grads = value_and_grad(params, graphdef, batch, model_config, fraction_E, ce_weight)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, carry, ((loss, parts), grads)), None
 
   zeros = jax.eval_shape(lambda: value_and_grad(params, graphdef, {k: a[0] for k, a in batch_A.items()},
-                                                model_config, fraction_E))
+                                                model_config, fraction_E,
+                                                None if ce_weight_A is None else ce_weight_A[0]))
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating)
                                            else x.dtype), zeros)
   if param_shardings is not None:
     zeros = (zeros[0], jax.tree.map(jax.lax.with_sharding_constraint, zeros[1], param_shardings))
-  ((loss, parts), grads), _ = jax.lax.scan(one, zeros, batch_A)
+  ((loss, parts), grads), _ = jax.lax.scan(one, zeros, (batch_A, ce_weight_A))
   grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, params)
   mean = micro_batches
   loss, parts = loss / mean, {k: v / mean for k, v in parts.items() if k != "moe"} | {"moe": parts["moe"]}

@@ -43,15 +43,17 @@ def make_optimizer(optim, total_steps):
   ), schedule
 
 
-def loss_fn(params, graphdef, batch, model_config, fraction_E=None):
+def loss_fn(params, graphdef, batch, model_config, fraction_E=None, ce_weight=None):
   """Next-token cross-entropy (float32, chunked: the full logits never exist; its gradient computed in the forward)
   over the targets in their input's document (`batch`: `train.data.documents`), plus the router losses, as
   configured; parts: ce, the router losses and "moe" (every MoE layer's `rm.MoEAux`,
   stacked; None without MoE layers). `fraction_E`: for one micro-batch of several (`train.accumulate`), the whole
-  batch's f_e (averaged over MoE layers), which the load-balancing loss then takes with this micro-batch's P_e."""
+  batch's f_e (averaged over MoE layers), which the load-balancing loss then takes with this micro-batch's P_e;
+  `ce_weight` scales its cross-entropy (its share of the whole batch's counted targets, times the micro-batches)."""
   model = nnx.merge(graphdef, nnx.State(params))
   inputs_BS, labels_BS, documents = next_token_inputs(batch)
   ce, aux = model.mean_cross_entropy_and_aux(inputs_BS, labels_BS, **documents)
+  ce = ce if ce_weight is None else ce * ce_weight
   balance = aux["load_balancing_loss"]
   if fraction_E is not None:
     balance = fraction_E.shape[0] * jnp.sum(fraction_E * jnp.mean(aux["moe"].router.mean_prob_E, axis=0))
