@@ -28,10 +28,13 @@ This driver imports no JAX: `benchmarks.moe_layer_worker` compiles and measures,
 
 import argparse
 import os
+import pathlib
 import sys
 
 from benchmarks import harness
-from models.config import CONFIG_DIR
+
+# models.config's CONFIG_DIR / "models": importing models.config would import JAX (its errors come from relaymoe_jax).
+MODEL_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 
 MODEL_OF_SHAPE = {"qwen3_30b": "qwen3-30b-a3b"}  # other shapes are named as their configs/models/ file
 GRID = "grid"  # --shape grid: every grid-* model config, the paper's scaling grid (Table 3)
@@ -52,7 +55,7 @@ def stack_depth(name):
 def shape_names(arg):
   """The shapes of --shape: a comma list, where `grid` stands for every grid-* model config (the worker's
   `--describe` checks that each names a model config)."""
-  grid = sorted(p.stem for p in (CONFIG_DIR / "models").glob("grid-*.yaml"))
+  grid = sorted(p.stem for p in MODEL_CONFIGS.glob("grid-*.yaml"))
   names = [n for part in arg.split(",") for n in (grid if part == GRID else [part])]
   for name in names:
     stack_depth(name)

@@ -184,7 +184,8 @@ class _Recording:
     return nn.initializers.lecun_normal()(key, shape, dtype)
 
 
-@pytest.mark.parametrize("activation", [pytest.param("geglu", marks=pytest.mark.slow), "relu"])
+@pytest.mark.slow  # an eager NNX init of its own (~10 s on 2 cores); CI's second step runs it
+@pytest.mark.parametrize("activation", ["geglu", "relu"])
 def test_layers_take_activation_and_kernel_init(activation):
   """Both layers: a plain expert has no w_up_EDF; kernel_init is called on the router's [D, E] and on one expert's
   [D, F] or [F, D] at a time (each expert from its own key), so lecun_normal sees one expert's fan-in; the NNX

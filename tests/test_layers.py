@@ -171,7 +171,7 @@ def test_on_an_auto_mesh_y_comes_back_sharded_as_x_came(spec):
   assert y.sharding.is_equivalent_to(x.sharding, x.ndim), (y.sharding, x.sharding)
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["auto", "explicit"])
 def test_logical_axis_rules_without_the_expert_axis_are_named(explicit):
   """A Linen model that maps specs through `nn.logical_to_mesh_sharding(specs, mesh, rules)` (lm1b, MaxText) keeps
   the experts split only with `rm.linen.axis_rules(...)` in its rules; without them the layer raises naming the
