@@ -20,7 +20,7 @@ from flax import nnx
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of
-from relaymoe_jax import activations, grouped_matmul as gm
+from relaymoe_jax import activations, grouped_kernels, grouped_matmul as gm
 from relaymoe_jax.auto import plan_for
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, ETP_NAMES, F32_RTOL
 
@@ -139,6 +139,7 @@ def test_other_activations_fall_back_from_the_swiglu_kernel_with_a_logged_reason
   and then the activation, saying why, and compute what `xla` computes."""
   c = _chunk(activation)
   args = (c["x_RD"], c["w_in_LDU"], c["w_down_LFD"], c["sizes_L"])
+  grouped_kernels._log_swiglu_fallback.cache_clear()  # logged once per reason: an earlier test may have logged it
   with caplog.at_level(logging.WARNING):
     assert gm.SWIGLU_BACKENDS["kernel_reference"](*args[:2], c["sizes_L"], False, activation) is None
     y, _ = gm.expert_mlp(*args, activation=activation, backend="kernel_reference")
