@@ -80,7 +80,9 @@ def _assert_placement_free(results):
 
 GRID = [(d, e, cp) for d in ("ring_expert", "ring_token", "all_to_all", "dense", "auto")
         for e, cp in ((4, False), (2, True), (4, True))]
-DEFAULT_CASES = [("ring_expert", 2, True)]  # one model compile pair (~10 s on 2 cores); CI's second step runs all
+# The whole grid is in CI's second step (each case compiles the model twice, ~12 s on 2 cores); the default run keeps
+# the tile-skipping check below.
+DEFAULT_CASES = []
 
 
 @pytest.mark.parametrize("dispatcher, expert, context_parallel",

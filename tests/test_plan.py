@@ -164,6 +164,7 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
   assert json.loads((tmp_path / "run_config.json").read_text())["remat_plan"] == stored["remat_plan"]
 
 
+@pytest.mark.slow  # the default run reached 10.9 min on 2 cores; CI's second step runs it
 def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_on_it(uniform, monkeypatch):
   """Where the devices can offload, `offload` in every layer is `layer`'s step less each layer's input (no compile
   of its own). Below `layer`'s step only offloading can fit: the plan's bytes are then a compile's, never the
@@ -180,6 +181,7 @@ def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_o
   assert tight.total_bytes in [total for _, total in tight.compiles], "the plan's bytes are a compile's"
 
 
+@pytest.mark.slow  # the default run reached 10.9 min on 2 cores; CI's second step runs it
 def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_run(uniform, monkeypatch):
   """On GPUs the uniform steps are compiled without XLA's autotuner (their buffers do not depend on it) and not
   kept; the plan's candidate is compiled to run, and the trainer runs that step. On CPU the two are the same."""
@@ -378,7 +380,7 @@ def test_remat_auto_refuses_a_budget_nothing_fits(uniform, tmp_path):
 
 @pytest.mark.parametrize("fraction,suggestion", [
     pytest.param(0.6, "With runtime.remat=auto it fits: ", marks=pytest.mark.slow),  # plans: 9 s on 2 cores
-    (-0.5, "Even layer in every layer needs "),
+    pytest.param(-0.5, "Even layer in every layer needs ", marks=pytest.mark.slow),  # compiles: 23 s on 2 cores
 ])
 def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion(uniform, tmp_path, fraction,
                                                                                   suggestion):
@@ -391,6 +393,7 @@ def test_the_fit_guard_stops_before_allocating_with_the_numbers_and_a_suggestion
   assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "run_config.json").exists()
 
 
+@pytest.mark.slow  # the default run reached 10.9 min on 2 cores; CI's second step runs it
 def test_the_fit_guard_is_one_line_and_exit_status_2_from_the_cli(uniform, tmp_path, capsys, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
   with pytest.raises(SystemExit) as exit_info:
