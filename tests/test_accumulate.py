@@ -69,9 +69,9 @@ def test_per_micro_batch_load_balancing_would_differ():
   batch's (f and P multiply), by far more than the tolerance above, and neither is its router gradient."""
   config, graphdef, params, tokens = _setup(1.0)
   ((_, parts), grads), _ = _whole_and_accumulated(1.0)
-  halves = micro_batches_of(tokens, 2)
-  naive = [jax.jit(lambda p, t: jax.value_and_grad(loss_fn, has_aux=True)(p, graphdef, t, config))(params, t)
-           for t in halves]
+  halves = micro_batches_of(tokens["tokens"], 2)
+  naive = [jax.jit(lambda p, t: jax.value_and_grad(loss_fn, has_aux=True)(p, graphdef, t, config))(
+      params, {"tokens": t}) for t in halves]
   naive_lb = sum(float(parts_m["load_balancing_loss"]) for (_, parts_m), _ in naive) / 2
   assert abs(naive_lb - float(parts["load_balancing_loss"])) > 1e-4 * float(parts["load_balancing_loss"])
   naive_grads = jax.tree.map(lambda a, b: (a + b) / 2, naive[0][1], naive[1][1])
