@@ -43,6 +43,7 @@ def _check_kernel(lhs, rhs, sizes, rows, **kernel_options):
   np.testing.assert_array_equal(h_only[:rows], h[:rows])
 
 
+@pytest.mark.slow  # ~20 s on 2 cores; the default run reached 10.3 min on CI's 2 cores; CI's second step runs it
 def test_kernel_in_the_gpu_interpreter_matches_ragged_dot():
   """Tiles of 32 rows: group 0 ends inside tile 1, which group 2 shares (two visits storing their own rows); the
   empty group has no visit; the last tile is partly past M's end."""
