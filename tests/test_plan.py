@@ -19,7 +19,7 @@ import pytest
 
 from relaymoe_jax import mosaic_gpu
 from relaymoe_jax.errors import UserError
-from train import cli, loop, plan as planning, plan_search, remat_auto
+from train import cli, loop, loss_chunk, plan as planning, plan_search, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
@@ -83,6 +83,7 @@ def memory_gib(budget):
   return budget / (1 - BASE.memory_headroom) / GIB
 
 
+@pytest.mark.slow  # the uniform steps' compiles (~22 s on 2 cores; the default run reached 10.3 min on CI)
 def test_recomputing_more_needs_less(uniform):
   assert uniform["layer"] <= uniform["attention"] < uniform["none"], uniform
 
@@ -118,6 +119,7 @@ def test_nothing_to_plan_when_everything_fits(uniform):
   assert [what for what, _ in plan.compiles] == [{"remat": "none"}, {"remat": "none", "keep_gate_up": True}]
 
 
+@pytest.mark.slow  # the default run reached 10.3 min on CI's 2 cores; CI's second step runs it
 def test_a_budget_below_the_frugal_plan_is_reported_not_fitting(uniform):
   plan = planner_with(uniform["layer"] - 1).plan()
   assert not plan.fits and plan.remat == ("layer", "layer") and plan.total_bytes == uniform["layer"]
@@ -135,16 +137,22 @@ def test_remat_auto_trains_with_the_plan_and_stores_it(uniform, tmp_path, capsys
   assert tuple(stored["remat_plan"]["remat"]) == expected.remat and stored["remat_plan"]["fits"]
   assert tuple(stored["run"]["runtime"]["remat"]) == expected.remat and expected.keep_gate_up
   assert dict(stored["run"]["runtime"]["dispatcher_options"])["keep_gate_up"] is True
+  # `loss_chunk_tokens: auto` was searched with the new plan's step, and its choice recorded with the plan.
+  chunk = stored["remat_plan"]["loss_chunk_tokens"]
+  assert isinstance(chunk, int) and stored["run"]["runtime"]["loss_chunk_tokens"] == chunk
   assert f"remat auto: {expected.summary()}" in capsys.readouterr().out
 
-  # A rerun of the same configuration reads the plan from the run directory and compiles only the step it runs.
+  # A rerun of the same configuration reads the plan (loss chunk included) from the run directory and compiles
+  # only the step it runs.
   def no_planning(*args, **kwargs):
     raise AssertionError("planned again")
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(planning.Planner, "plan", no_planning)
+    patch.setattr(loss_chunk, "widest", no_planning)
     assert [r["step"] for r in loop.run(config, overwrite=True)] == [0, 1]
-  assert "planned before for this configuration" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "planned before for this configuration" in out and f"loss chunk auto: {chunk} tokens" in out
   rerun = json.loads((tmp_path / "run_config.json").read_text())
   assert rerun["remat_plan"] == stored["remat_plan"] and rerun["run"]["runtime"] == stored["run"]["runtime"]
   # Another shape is planned anew.
@@ -204,6 +212,7 @@ def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_
   assert planner.compiled_step("layer") is None and planner.compiled_step(plan.remat) is not None
 
 
+@pytest.mark.slow  # the default run reached 10.3 min on CI's 2 cores; CI's second step runs it
 def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uniform, tmp_path, capsys):
   """A new run directory with the same configuration reads the machine's cached plan (and records it) instead of
   planning; a cache that cannot be written costs a warning, not the run."""

@@ -30,6 +30,7 @@ class Plan:
   max_chunk_rows: int | None = None  # FRUGAL_CHUNK_ROWS where the plan caps the ring's chunks
   keep_gate_up: bool = False  # the expert ring keeps its gate/up projections for the backward
   micro_batches: int = 1  # gradient accumulation: batch_size / micro_batches sequences at a time
+  loss_chunk_tokens: int | None = None  # `loss_chunk_tokens: auto`'s choice (`train.loss_chunk`), once searched
 
   def summary(self):
     counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
@@ -109,7 +110,8 @@ def plan_from_dict(fields, num_layers):
   compiles = fields.get("compiles", [])
   wrong = [k for k in COUNTS if not _is_count(fields[k])]
   wrong += [k for k in ("fits", "keep_gate_up") if not isinstance(fields.get(k, False), bool)]
-  wrong += [] if fields.get("max_chunk_rows") is None or _is_count(fields["max_chunk_rows"]) else ["max_chunk_rows"]
+  wrong += [k for k in ("max_chunk_rows", "loss_chunk_tokens")
+            if fields.get(k) is not None and not _is_count(fields[k])]
   wrong += [] if isinstance(compiles, list) and all(
       isinstance(c, list) and len(c) == 2 and isinstance(c[0], dict) and (c[1] is None or _is_count(c[1]))
       for c in compiles) else ["compiles"]

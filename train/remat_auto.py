@@ -6,9 +6,10 @@ import pathlib
 
 import jax
 
-from models.qwen3_config import REMAT_AUTO
+from models.qwen3_config import LOSS_CHUNK_AUTO, REMAT_AUTO
 from relaymoe_jax.errors import UserError
 from train.compile import StepDoesNotFit
+from train.loss_chunk import resolve_loss_chunk, with_loss_chunk
 from train.metrics import log_on_process_0, size
 from train.plan import apply_plan, make_planner
 from train.plan_record import PLAN_FILE, cached_plan_path, plan_from_dict, plan_key, store_plan, stored_plan
@@ -17,7 +18,8 @@ from train.sources import model_config_for
 
 def resolve_remat(run_config, resume=False):
   """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep or
-  None where the plan was a stored one); other runs unchanged, with None for both.
+  None where the plan was a stored one); other runs unchanged, with None for both. A new plan also records
+  `loss_chunk_tokens: auto`'s choice, searched with the plan's step, so that a rerun searches neither.
 
   A `resume` keeps the plan the run's checkpoints were written with, whatever would be planned now (with
   `scan_layers` the plan decides how layers stack, so another could not restore them), and records nothing in the
@@ -30,7 +32,7 @@ def resolve_remat(run_config, resume=False):
   if own:
     plan, where = own
     log_on_process_0(f"remat auto: {plan.summary()}, the plan this run's checkpoints were written with ({where})")
-    return apply_plan(run_config, plan), plan, None
+    return _applied(run_config, plan), plan, None
   planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
   path = None if resume else out / PLAN_FILE
   key = plan_key(run_config, model_config, planner.budget_bytes)
@@ -41,7 +43,7 @@ def resolve_remat(run_config, resume=False):
       log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                        f"{size(plan.budget_bytes)}), planned before for this configuration ({where})")
       _record(plan, key, path, None if where == cached else cached)  # a read-only cache that holds it is fine
-      return apply_plan(run_config, plan), plan, None
+      return _applied(run_config, plan), plan, None
   plan = planner.plan()
   if not plan.fits:
     raise StepDoesNotFit(f"runtime.remat=auto: even {plan.remat[0]} in every layer needs "
@@ -49,8 +51,21 @@ def resolve_remat(run_config, resume=False):
                          f"{size(plan.budget_bytes)}. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
+  run_config, step = resolve_loss_chunk(apply_plan(run_config, plan),
+                                        planner.compiled_step(plan.remat, plan.keep_gate_up))
+  if isinstance(run_config.runtime.loss_chunk_tokens, int):
+    plan.loss_chunk_tokens = run_config.runtime.loss_chunk_tokens
   _record(plan, key, path, cached)
-  return apply_plan(run_config, plan), plan, planner.compiled_step(plan.remat, plan.keep_gate_up)
+  return run_config, plan, step
+
+
+def _applied(run_config, plan):
+  """The run as a stored plan says, with the loss chunk it chose where the run leaves that to `auto`."""
+  run_config = apply_plan(run_config, plan)
+  if plan.loss_chunk_tokens is not None and run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO:
+    log_on_process_0(f"loss chunk auto: {plan.loss_chunk_tokens} tokens per device, chosen with the plan")
+    return with_loss_chunk(run_config, plan.loss_chunk_tokens)
+  return run_config
 
 
 def _checkpoints_plan(out, layers):
