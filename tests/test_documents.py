@@ -7,6 +7,7 @@ another place in the window differs only by summation order (observed ≤ 4e-7).
 
 import dataclasses
 import json
+import os
 import shutil
 
 import jax
@@ -22,7 +23,7 @@ from models.cudnn_attention import CUDNN_TILES, tile_kernels
 from models.context_parallel import XLA_TILES, balanced_order, context_attention
 from models.qwen3_config import RuntimeConfig, load_config
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
-from train.data import documents, make_sources
+from train.data import DataChanged, documents, make_sources
 from train.loop import run
 from train.mesh import build_mesh
 
@@ -153,6 +154,14 @@ def test_eval_fraction_splits_whole_documents_off_the_training_data(tmp_path):
   train, held_out = make_sources(data, EvalConfig(fraction=0.4, every=1), vocab_size=16, seq_len=2)
   np.testing.assert_array_equal(train.tokens, stream[:10])  # the cut (token 9) moved to the document's end
   np.testing.assert_array_equal(held_out.tokens, stream[10:])
+  np.testing.assert_array_equal(held_out.batch(0, 1, 2)[0], stream[10:13])  # read from the file, at the cut
+  np.testing.assert_array_equal(train.batch(1, 1, 2)[0], stream[2:5])
+  os.truncate(tmp_path / "t.bin", 2 * 4)  # both parts still notice the file shrinking under the run
+  np.testing.assert_array_equal(train.batch(0, 1, 2)[0], stream[0:3])
+  with pytest.raises(DataChanged, match=r"^step 0: eval.fraction=0.4 of data.path .* shrank under the run"):
+    held_out.batch(0, 1, 2)
+  with pytest.raises(DataChanged, match=r"^step 2: data.path .* less eval.fraction shrank under the run"):
+    train.batch(2, 1, 2)
   assert data.masks_documents() and not DataConfig().masks_documents()
   with pytest.raises(ValueError, match="document_masking=true needs documents"):
     DataConfig(kind="text", path="x.txt", document_masking=True)

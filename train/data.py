@@ -8,6 +8,7 @@ them); the held-out batches come from `make_sources`.
 """
 
 import codecs
+import copy
 import dataclasses
 import datetime
 import math
@@ -62,10 +63,24 @@ class TokenWindows:
   def __init__(self, tokens, vocab_size, seq_len=None, where="the data", eos=None):
     """`seq_len` given: a source too short for one window is refused now, not at the first step."""
     self.tokens, self.num_tokens, self.where, self.eos = tokens, tokens.size, where, eos
+    self.first = 0  # where `tokens` start in the file (`part`)
     if tokens.size and int(tokens.max()) >= vocab_size:
       raise UserError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
-    if seq_len is not None and (tokens.size - 1) // seq_len < 1:
-      raise UserError(f"{where} holds {tokens.size} tokens, too few for one window of seq_len+1={seq_len + 1}")
+    self._check_length(seq_len)
+
+  def _check_length(self, seq_len):
+    if seq_len is not None and (self.num_tokens - 1) // seq_len < 1:
+      raise UserError(f"{self.where} holds {self.num_tokens} tokens, too few for one window of seq_len+1="
+                      f"{seq_len + 1}")
+
+  def part(self, start, stop, seq_len, where):
+    """Tokens [start, stop) of this source as a source of its own, read as this one reads (a token file: from the
+    file, so that it too notices the file shrinking), its ids checked already."""
+    part = copy.copy(self)
+    part.tokens, part.num_tokens, part.where = self.tokens[start:stop], stop - start, where
+    part.first = self.first + start
+    part._check_length(seq_len)
+    return part
 
   def batch(self, step, batch_size, seq_len):
     windows = (self.num_tokens - 1) // seq_len
@@ -96,7 +111,7 @@ class TokenFile(TokenWindows):
   def windows(self, starts, length, step):
     nbytes = length * self.dtype.itemsize
     with open(self.path, "rb") as f:
-      read = [os.pread(f.fileno(), nbytes, int(s) * self.dtype.itemsize) for s in starts]
+      read = [os.pread(f.fileno(), nbytes, (self.first + int(s)) * self.dtype.itemsize) for s in starts]
     if any(len(r) < nbytes for r in read):
       raise DataChanged(f"step {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
                         f"({self.num_tokens * self.dtype.itemsize} when it started); stopping")
@@ -181,9 +196,8 @@ def make_sources(data_config, eval_config, vocab_size, seq_len, held_out=False):
     raise UserError(f"eval.fraction={eval_config.fraction} splits the data by document, and data.kind="
                      f"{data_config.kind!r} without an EOS id has no documents: give eval.path")
   cut = _document_boundary(whole.tokens, int(whole.tokens.size * (1 - eval_config.fraction)), whole.eos)
-  return (TokenWindows(whole.tokens[:cut], vocab_size, seq_len, "the training data less eval.fraction", whole.eos),
-          TokenWindows(whole.tokens[cut:], vocab_size, seq_len, f"eval.fraction={eval_config.fraction} of the data",
-                       whole.eos))
+  return (whole.part(0, cut, seq_len, f"{whole.where} less eval.fraction"),
+          whole.part(cut, whole.num_tokens, seq_len, f"eval.fraction={eval_config.fraction} of {whole.where}"))
 
 
 def _document_boundary(tokens, cut, eos, scan=1 << 20):
