@@ -9,11 +9,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import (capacity, cp_attention, grouped_gemm, harness, loss_head, moe_layer, moe_layer_worker,
-                        train_compare)
+from benchmarks import (capacity, cp_attention, documents, grouped_gemm, harness, loss_head, moe_layer,
+                        moe_layer_worker, train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 
@@ -388,3 +389,25 @@ def test_loss_head_times_every_variant_and_writes_its_summary(tmp_path):
   assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
       f"summary: loss_head gpu=cpu tokens=256 recompute_ms={rows[1]['ms']:.1f} forward_grad_ms={best:.1f} "
       f"matmul_roof_ms={rows[0]['ms']:.1f}")
+
+
+def test_documents_file_holds_whole_documents_each_ended_by_eos(tmp_path):
+  path = tmp_path / "docs.u32"
+  data = documents.write_documents(path, 20000, 500, 7, 64)
+  tokens = np.fromfile(path, np.uint32)
+  ends = np.flatnonzero(tokens == 7)
+  lengths = np.diff(np.concatenate([[-1], ends])) - 1
+  assert tokens.size == data["tokens"] >= 20000 and ends[-1] == tokens.size - 1 and ends.size == data["documents"]
+  assert lengths.min() >= 16 and 40 < lengths.mean() < 90 and int(tokens.max()) < 500, lengths.mean()
+
+
+@pytest.mark.slow  # two trainer processes; CI's second step runs it
+def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
+  out = tmp_path / "documents.json"
+  assert documents.main(["--config", "cpu", "--steps", "2", "--log-every", "1", "--tokens", "30000", "--mean-doc",
+                         "64", "--eval-batches", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  for run in result["runs"].values():
+    assert run["tokens_per_s"] > 0 and run["eval_tokens"] > 0 and np.isfinite(run["eval_loss"]), run
+  assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d",
+                  out.with_suffix(".txt").read_text().splitlines()[-1])
