@@ -167,10 +167,17 @@ def render(data):
               f"compiled temporaries: plain {head['plain_temp_gib']:.1f} GiB (full float32 logits "
               f"{head['full_logits_gib']:.1f} GiB), chunked ({head['chunk_tokens']} tokens × "
               f"{head.get('vocab_tile', head['vocab'])} columns) "
-              f"{head['chunked_temp_gib']:.2f} GiB{'; ' + head['how'] if head.get('how') else ''}."]
+              f"{head['chunked_temp_gib']:.2f} GiB per token"
+              f"{_forward_grad(head)}{'; ' + head['how'] if head.get('how') else ''}."]
   if data["settings"]:
     lines.append(summary(data))
   return "\n".join(lines)
+
+
+def _forward_grad(head):
+  """The trainer's head (its gradient from the forward), where the run measured it."""
+  gib = head.get("forward_grad_temp_gib")
+  return "" if gib is None else f", {gib:.2f} GiB as the trainer's mean with its gradient from the forward"
 
 
 def _step(r):

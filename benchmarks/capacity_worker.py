@@ -17,15 +17,15 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import harness
-from models.loss import chunked_cross_entropy
+from models.loss import chunked_cross_entropy, mean_cross_entropy
 from train.plan_search import topology_devices
 
 
 def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384,
               device=None):
   """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device (default this machine's first; or a
-  compile-only device of `train.plan_search.topology_devices`): plain (full float32 logits) and chunked.
-  Compile-only."""
+  compile-only device of `train.plan_search.topology_devices`): plain (full float32 logits), chunked per token
+  (its backward recomputes the logits) and the trainer's mean with its gradient from the forward. Compile-only."""
   axes = ("data", "expert", "tensor")
   mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1), axes)
 
@@ -44,16 +44,21 @@ def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_toke
     return chunked_cross_entropy(x_BSD, head_DV, labels_BS, mesh=mesh, token_axes=axes[:2], vocab_axis="tensor",
                                  chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
 
-  def temps(loss):
+  def forward_grad(x_BSD, head_DV, labels_BS):  # already the mean
+    return mean_cross_entropy(x_BSD, head_DV, labels_BS, mesh=mesh, token_axes=axes[:2], vocab_axis="tensor",
+                              chunk_tokens=chunk_tokens, vocab_tile=vocab_tile)
+
+  def temps(loss, mean=jnp.mean):
     def mean_loss(x_BSD, head_DV, labels_BS):
-      return loss(x_BSD, head_DV, labels_BS).mean()
+      return mean(loss(x_BSD, head_DV, labels_BS))
 
     step = jax.jit(jax.value_and_grad(mean_loss, (0, 1)))
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30
 
   return dict(tokens=tokens, d_model=d_model, vocab=vocab, chunk_tokens=chunk_tokens, vocab_tile=vocab_tile,
-              plain_temp_gib=temps(plain),
-              chunked_temp_gib=temps(chunked), full_logits_gib=tokens * vocab * 4 / 2**30)
+              plain_temp_gib=temps(plain), chunked_temp_gib=temps(chunked),
+              forward_grad_temp_gib=temps(forward_grad, mean=lambda loss: loss),
+              full_logits_gib=tokens * vocab * 4 / 2**30)
 
 
 def loss_head_here(topology=None, target_config=None):

@@ -317,14 +317,16 @@ def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
 
 
 @pytest.mark.slow  # 5 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
-def test_capacity_loss_head_only_compares_plain_and_chunked(tmp_path):
+def test_capacity_loss_head_only_compares_plain_chunked_and_forward_grad(tmp_path):
   """Compile-only, this machine's first device: the chunked head needs a small fraction of the plain one's
   temporaries (the full float32 logits of 65536 tokens over Qwen3's vocabulary alone are 37 GiB)."""
   capacity.main(["--loss-head-only", "--out", str(tmp_path / "head.json")])
   head = json.loads((tmp_path / "head.json").read_text())["loss_head"]
   assert head["plain_temp_gib"] >= head["full_logits_gib"] > 37 and head["chunked_temp_gib"] < 3, head
+  assert head["forward_grad_temp_gib"] < head["full_logits_gib"] / 8, head  # 3.1 GiB on CPU: dx, dhead, a chunk
   text = (tmp_path / "head.txt").read_text()
   assert "Loss head fwd+bwd at 65536 tokens" in text and "summary:" not in text
+  assert "GiB as the trainer's mean with its gradient from the forward" in text
 
 
 def test_grouped_gemm_merge_replaces_rows_and_marks_other_tiles(tmp_path):
