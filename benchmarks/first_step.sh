@@ -14,9 +14,11 @@ done
 python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/pip.log" 2>&1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import jax, sys; print('jax', jax.__version__, 'python', sys.version.split()[0])"; nproc; } > "$OUT/machine.txt" 2>&1
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  # GPU_WORKERS processes share the GPU (pytest-xdist, in the GPU image), each allocating as it goes, at most a share.
+  # GPU_WORKERS processes share the GPU (pytest-xdist, in the GPU image), each allocating as it goes, at most a share;
+  # without XLA's autotuner, which times candidate kernels on the device for each compile (the tests check values).
   workers=${GPU_WORKERS:-8}
-  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $workers, 3))") \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $workers, 3))") \
     timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "$workers" -rfE \
     --durations=15 > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"
 fi
