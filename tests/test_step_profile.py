@@ -138,7 +138,13 @@ def test_every_part_is_attributed_from_the_hlo_op_metadata(tmp_path):
   assert {p: row["ms"] for p, row in profile["parts"].items()} == pytest.approx(expected, abs=1e-9)
   assert profile["parts"]["moe_matmul"]["launches"] == 3 and profile["parts"]["copy"]["launches"] == 3
   assert (profile["busy_ms"], profile["kernel_ms"], profile["step_ms"], profile["idle_ms"]) == (16.8, 16.8, 20, 3.2)
-  assert profile["parts"]["lm_head"]["top"][0][:3] == ("lm_fusion.8", 3.0, 1)
+  # A CUDA graph's kernels are listed by their own instruction (or kernel), not by the graph: lm_fusion.8 ran once
+  # on its own and once in a graph each step.
+  assert profile["parts"]["lm_head"]["top"][0][:3] == ("lm_fusion.8", 3.1, 2)
+  other = {op: (ms, n) for op, ms, n, _ in profile["parts"]["other"]["top"]}
+  assert other["loop_add_fusion.7"] == (0.25 + 0.5 + 0.9, 3)
+  assert not any(op.startswith("command_buffer") for op in other)
+  assert profile["parts"]["moe_matmul"]["top"][-1][:3] == ("sm90_xmma_gemm_bf16", 0.7, 1)
 
 
 def test_hlo_opcodes_and_called_computations_are_read():

@@ -149,7 +149,8 @@ def module_name(hlo_text):
 def step_parts(events, hlo_text, steps, wall_s):
   """Kernel time per step by part, from the `train.trace_events.op_events` of `steps` steps that took `wall_s`
   seconds: {"parts": {part: {"ms", "launches", "top": [(hlo op, ms, launches, op_name)]}}, "busy_ms" (time any
-  kernel ran), "kernel_ms" (their sum: more than busy where kernels overlap), "step_ms", "idle_ms"}."""
+  kernel ran), "kernel_ms" (their sum: more than busy where kernels overlap), "step_ms", "idle_ms"}. A top entry
+  in a CUDA graph names its kernel's instruction (a fusion), or the kernel where none is named after it."""
   instructions = parse_hlo(hlo_text)
   kernel_names = {re.sub(r"[.\-]", "_", name): name for name in instructions}  # a fusion's kernel is named so
   ms, launches = collections.Counter(), collections.Counter()
@@ -157,33 +158,39 @@ def step_parts(events, hlo_text, steps, wall_s):
   graph_parts = collections.defaultdict(collections.Counter)  # command buffer: ms of its named kernels by part
   spans, unnamed = [], []
 
-  def count(event, part):
+  op_launches = collections.Counter()
+
+  def count(event, part, op):
+    """`op`: what the top lists name: the HLO instruction, in a CUDA graph the kernel's (else the kernel)."""
     ms[part] += event.dur_us / 1e3 / steps
     launches[part] += 1
-    by_op[part][event.hlo_op or event.name] += event.dur_us / 1e3 / steps
+    by_op[part][op] += event.dur_us / 1e3 / steps
+    op_launches[op] += 1
     spans.append((event.start_us, event.start_us + event.dur_us))
 
   for event in events:
     instruction = instructions.get(event.hlo_op) if event.hlo_op else None
     in_graph = bool(event.hlo_op) and instruction is None and event.hlo_op.startswith("command_buffer")
+    op = event.hlo_op or event.name
     if in_graph:
-      instruction = instructions.get(kernel_names.get(event.name))  # a kernel in a CUDA graph (command buffer)
+      op = kernel_names.get(event.name)
+      instruction = instructions.get(op)  # a kernel in a CUDA graph (command buffer)
       if instruction is None:
         unnamed.append(event)
         continue
     part = part_of(instruction, event.name)
     if part is not None:
-      count(event, part)
+      count(event, part, op)
       if in_graph:
         graph_parts[event.hlo_op][part] += event.dur_us
   for event in unnamed:
-    count(event, _unnamed_graph_kernel_part(graph_parts[event.hlo_op]))
+    count(event, _unnamed_graph_kernel_part(graph_parts[event.hlo_op]), event.name)
   step_ms = wall_s * 1e3 / steps
   busy_ms = union_us(spans) / 1e3 / steps
 
   def top(part):
-    return [(op, round(t, 3), sum(1 for e in events if (e.hlo_op or e.name) == op) // steps,
-             instructions[op].op_name if op in instructions else "") for op, t in by_op[part].most_common(8)]
+    return [(op, round(t, 3), op_launches[op] // steps, instructions[op].op_name if op in instructions else "")
+            for op, t in by_op[part].most_common(8)]
 
   parts = {p: dict(ms=round(ms[p], 3), launches=launches[p] // steps, top=top(p)) for p in PARTS}
   return dict(parts=parts, busy_ms=round(busy_ms, 3), kernel_ms=round(sum(ms.values()), 3),
