@@ -286,6 +286,7 @@ DAMAGED = {
     "remat too short": lambda key: json.dumps({"key": key, "plan": dict(STORED, remat=["layer"])}),
     "an unknown policy": lambda key: json.dumps({"key": key, "plan": dict(STORED, remat=["layer", "sometimes"])}),
     "bytes a string": lambda key: json.dumps({"key": key, "plan": dict(STORED, total_bytes="3")}),
+    "a negative loss chunk": lambda key: json.dumps({"key": key, "plan": dict(STORED, loss_chunk_tokens=-1)}),
 }
 
 
@@ -326,6 +327,19 @@ def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_
   monkeypatch.setattr(remat_auto, "store_plan", lambda path, key, plan: written.append(path))
   assert remat_auto.resolve_remat(config)[1].remat == ("layer", "none")
   assert written == [tmp_path / "run" / "remat_plan.json"] and "warning" not in capsys.readouterr().out
+
+
+def test_a_stored_plans_loss_chunk_is_run_where_the_run_leaves_it_to_auto(fake_planner, tmp_path, capsys):
+  config = _auto(tmp_path)
+  assert config.runtime.loss_chunk_tokens == "auto"
+  chosen = plan_from_dict(dict(STORED, loss_chunk_tokens=4096), 2)
+  store_plan(tmp_path / "run" / "remat_plan.json", _key(config), chosen)
+  run_config, plan, step = remat_auto.resolve_remat(config)
+  assert run_config.runtime.loss_chunk_tokens == 4096 and plan.loss_chunk_tokens == 4096 and step is None
+  assert "loss chunk auto: 4096 tokens per device, chosen with the plan" in capsys.readouterr().out
+  # A plan stored before the choice was recorded leaves auto to the trainer's search.
+  store_plan(tmp_path / "run" / "remat_plan.json", _key(config), plan_from_dict(STORED, 2))
+  assert remat_auto.resolve_remat(config)[0].runtime.loss_chunk_tokens == "auto"
 
 
 def test_a_run_directory_plan_record_that_is_a_directory_is_one_line(fake_planner, tmp_path, capsys):
