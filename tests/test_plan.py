@@ -88,6 +88,25 @@ def test_recomputing_more_needs_less(uniform):
   assert uniform["layer"] <= uniform["attention"] < uniform["none"], uniform
 
 
+@pytest.mark.slow  # compiles at 2048 tokens per device (~40 s on 2 cores); CI's second step runs it
+def test_with_a_loss_chunk_to_search_the_plan_is_compiled_for_memory_only(tmp_path, monkeypatch):
+  """The plan's step does not run where `loss_chunk_tokens: auto` may change it: the planner compiles its candidates
+  for memory only, the search starts from the plan's bytes, and the trainer compiles the chosen step once."""
+  config = dataclasses.replace(with_runtime(BASE, remat="auto"), seq_len=2048, batch_size=8, device_memory_gib=16,
+                               out_dir=str(tmp_path))
+  assert loss_chunk.searches(config) and not loss_chunk.searches(with_runtime(config, loss_chunk_tokens=1024))
+  memory_only, measured = [], planning.compile_step
+  monkeypatch.setattr(planning, "compile_step", lambda *a, memory_only=False: memory_only_calls(a, memory_only))
+
+  def memory_only_calls(args, flag):
+    memory_only.append(flag)
+    return measured(*args, memory_only=flag)
+
+  run_config, plan, _ = remat_auto.resolve_remat(config)
+  assert memory_only and all(memory_only), memory_only
+  assert run_config.runtime.loss_chunk_tokens == plan.loss_chunk_tokens in (1024, 2048), plan
+
+
 @pytest.mark.slow  # compiles a mixed plan of its own (~17 s on 2 cores); CI's second step runs it
 def test_a_budget_between_the_policies_gets_a_mixed_plan_that_fits(uniform):
   budget = between(uniform, 0.6)

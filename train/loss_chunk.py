@@ -49,17 +49,24 @@ def widest(base_bytes, chunks, bytes_of):
   return best
 
 
-def resolve_loss_chunk(run_config, step=None, devices=None, log=log_on_process_0):
+def searches(run_config, devices=None):
+  """Whether `resolve_loss_chunk` will compile candidates for this run."""
+  return run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO and bool(candidates(run_config, devices))
+
+
+def resolve_loss_chunk(run_config, step=None, devices=None, log=log_on_process_0, base_bytes=None):
   """(the run with `loss_chunk_tokens: auto` replaced by its chunk, the CompiledStep to run it or None where it
-  must be compiled); other runs unchanged. `step`: the run's step compiled already (at the default chunk)."""
+  must be compiled); other runs unchanged. `step`: the run's step compiled already (at the default chunk);
+  `base_bytes`: that step's bytes per device where known (the remat plan's), so that none need be compiled."""
   if run_config.runtime.loss_chunk_tokens != LOSS_CHUNK_AUTO:
     return run_config, step
   base = with_loss_chunk(run_config, DEFAULT_LOSS_CHUNK_TOKENS)
   chunks = candidates(run_config, devices)
   if not chunks:
     return base, step
-  step = step or compile_step(base, devices)
-  base_bytes = memory_plan(base, step)["total_bytes"]
+  if base_bytes is None:
+    step = step or compile_step(base, devices)
+    base_bytes = memory_plan(base, step)["total_bytes"]
 
   def bytes_of(chunk):
     config = with_loss_chunk(run_config, chunk)

@@ -13,7 +13,8 @@ to confirm it fits (and stepped back while it does not). Time saved is estimated
 host link. Where the expert ring's backward can keep the forward's gate/up projections (`RingExpert.keep_gate_up`)
 within the budget, it does: a quarter of the MoE backward's matmuls fewer. The uniform steps are compiled for their
 memory only (on GPUs without XLA's autotuner: `train.compile.MEMORY_ONLY_OPTIONS`), at once; the plan's candidates
-(keeping gate/up first) are compiled to run, one at a time, and the trainer runs the chosen one.
+(keeping gate/up first) are compiled to run, one at a time, and the trainer runs the chosen one (unless the trainer
+still chooses its loss chunk: then they too are compiled for memory only, and the trainer compiles its step once).
 """
 
 import concurrent.futures
@@ -112,12 +113,16 @@ def caps_chunks(run_config, devices=None):
 class Planner:
   """Compiles train steps of one run config (and variations of it) and remembers what each needed."""
 
-  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None, keep_steps=False):
+  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None, keep_steps=False,
+               candidates_to_run=True):
     self.run_config = run_config
     self.devices = devices
     self.budget_bytes = budget_bytes
     self.log = log
     self.keep_steps = keep_steps  # the steps compiled to run, for the trainer to run the chosen one
+    # False: the plan's candidates too are compiled for memory only, where the step to run is not the plan's own
+    # (the trainer's loss chunk is chosen after the plan, `train.loss_chunk`) and compiling it would be wasted.
+    self.candidates_to_run = candidates_to_run
     self.compiles = []
     self._measured = {}
     self._steps = {}
@@ -211,11 +216,12 @@ class Planner:
     keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
     while True:
       if keep:
-        kept = self.measure(remat, keep_gate_up=True, to_run=True, **changes)
+        kept = self.measure(remat, keep_gate_up=True, to_run=self.candidates_to_run, **changes)
         if self.fits(kept):
           return self._result(remat, kept, changes, keep_gate_up=True)
       known = uniform.get(remat[0], {}) if len(set(remat)) == 1 else {}
-      plan = known if "estimated" not in known and known else self.measure(remat, to_run=True, **changes)
+      plan = known if "estimated" not in known and known else self.measure(remat, to_run=self.candidates_to_run,
+                                                                           **changes)
       if self.fits(plan):
         return self._result(remat, plan, changes)
       if remat == (frugal,) * len(remat):  # only where the frugal step was estimated to fit and does not
@@ -351,9 +357,10 @@ def budget_bytes(run_config, limit):
   return int(limit * (1 - run_config.memory_headroom))
 
 
-def make_planner(run_config, log=print, devices=None, keep_steps=False):
+def make_planner(run_config, log=print, devices=None, keep_steps=False, candidates_to_run=True):
   limit = device_limit_bytes(run_config)
   if limit is None:
     raise UserError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
                     "(e.g. device_memory_gib=132 for 95% of an H200)")
-  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps)
+  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps,
+                 candidates_to_run=candidates_to_run)

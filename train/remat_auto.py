@@ -9,7 +9,7 @@ import jax
 from models.qwen3_config import LOSS_CHUNK_AUTO, REMAT_AUTO
 from relaymoe_jax.errors import UserError
 from train.compile import StepDoesNotFit
-from train.loss_chunk import resolve_loss_chunk, with_loss_chunk
+from train.loss_chunk import resolve_loss_chunk, searches, with_loss_chunk
 from train.metrics import log_on_process_0, size
 from train.plan import apply_plan, make_planner
 from train.plan_record import PLAN_FILE, cached_plan_path, plan_from_dict, plan_key, store_plan, stored_plan
@@ -33,7 +33,9 @@ def resolve_remat(run_config, resume=False):
     plan, where = own
     log_on_process_0(f"remat auto: {plan.summary()}, the plan this run's checkpoints were written with ({where})")
     return _applied(run_config, plan), plan, None
-  planner = make_planner(run_config, log=log_on_process_0, keep_steps=True)
+  # Where the loss chunk is still to be searched, the plan's step is not the one to run: compiled for memory only.
+  planner = make_planner(run_config, log=log_on_process_0, keep_steps=True,
+                         candidates_to_run=not searches(run_config))
   path = None if resume else out / PLAN_FILE
   key = plan_key(run_config, model_config, planner.budget_bytes)
   cached = cached_plan_path(run_config, key)
@@ -52,7 +54,8 @@ def resolve_remat(run_config, resume=False):
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
   run_config, step = resolve_loss_chunk(apply_plan(run_config, plan),
-                                        planner.compiled_step(plan.remat, plan.keep_gate_up))
+                                        planner.compiled_step(plan.remat, plan.keep_gate_up),
+                                        base_bytes=plan.total_bytes)
   if isinstance(run_config.runtime.loss_chunk_tokens, int):
     plan.loss_chunk_tokens = run_config.runtime.loss_chunk_tokens
   _record(plan, key, path, cached)
