@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
 from models.attention import attention, segment_positions
@@ -177,7 +177,7 @@ class MoE(_Layer):
     y_TD, stats = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
                              self.cast(self.w_down_EFD), mesh=self.mesh, dispatcher=run.dispatcher,
                              token_axes=TOKEN_AXES, tensor_axis=TENSOR if run.moe_tensor_parallel else None,
-                             return_stats=True, **shared, **dict(run.dispatcher_options))
+                             return_stats=True, out_sharding=P(TOKEN_AXES), **shared, **dict(run.dispatcher_options))
     y_BSD = unflatten_tokens(y_TD, b, s, self.mesh) if run.context_parallel else y_TD.reshape(b, s, d)
     return y_BSD, rm.MoEAux(router=aux, dropped_pairs=stats.dropped_pairs)
 

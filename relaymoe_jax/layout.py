@@ -139,9 +139,18 @@ class ExpertLayout:
     sharding = jax.typeof(x).sharding
     return sharding if self.explicit and not sharding.mesh.empty else None
 
-  def restore(self, y, sharding, x):
-    """y sharded as x came: resharded to `sharding` from `caller_sharding`; on an Auto mesh, where the type carries
-    no sharding, tied to x's by XLA's sharding propagation (`shard_alike`)."""
+  def restore(self, y, sharding, x, out_sharding=None):
+    """y sharded as the caller asked (`out_sharding`, a PartitionSpec on this mesh or a NamedSharding), else as x
+    came: resharded to `sharding` from `caller_sharding`; on an Auto mesh, where the type carries no sharding, tied
+    to x's by XLA's sharding propagation (`shard_alike`)."""
+    if out_sharding is not None:
+      if isinstance(out_sharding, P):
+        out_sharding = NamedSharding(self.mesh, out_sharding)
+      if not isinstance(out_sharding, NamedSharding):
+        raise UserError(f"out_sharding={out_sharding!r} must be a PartitionSpec or a NamedSharding")
+      if self.explicit:
+        return jax.sharding.reshard(y, out_sharding)
+      return jax.lax.with_sharding_constraint(y, out_sharding)
     if sharding is not None:
       return jax.sharding.reshard(y, sharding)
     return y if self.explicit else shard_alike(x, y)[1]

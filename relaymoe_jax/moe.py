@@ -112,7 +112,7 @@ class DispatchStats(NamedTuple):
 
 def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, dispatcher="ring_expert",
             expert_axis=EXPERT, token_axes=None, tensor_axis=None, shared=None, shared_gate_D1=None,
-            return_stats=False, activation="swiglu", **options):
+            return_stats=False, activation="swiglu", out_sharding=None, **options):
   """The MoE block: y_TD = Σ_k w_TK[t,k] · expert_{idx_TK[t,k]}(x_TD[t]), an expert down(act(x·gate) · (x·up))
   (SwiGLU by default) or, for a plain activation, down(act(x·gate)) with w_up_EDF None.
 
@@ -143,12 +143,16 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
     activation: the experts' activation (`activations.ACTIVATIONS`): "swiglu" (default), "geglu" (Gemma:
       gelu(x·gate) · (x·up), gelu's tanh form), or the plain two-matrix "gelu" (tanh form) and "relu" (Switch,
       GShard). SwiGLU alone runs in the Hopper gate/up kernel's epilogue; the others fall back from it (logged).
+    out_sharding: y's sharding, a PartitionSpec on `mesh` (or a NamedSharding); None: as x_TD came (below).
     **options: the named dispatcher's own options, e.g. `chunk_rows=` (ring_expert), `capacity_factor=`
       (all_to_all), `backend=`.
 
   Returns:
-    y_TD, x's shape and dtype (with `return_stats`, `(y_TD, DispatchStats)`), sharded as x_TD came: on an
-    Explicit mesh by its type (so a residual `x + y` type-checks), on an Auto mesh through XLA's propagation.
+    y_TD, x's shape and dtype (with `return_stats`, `(y_TD, DispatchStats)`), sharded as `out_sharding` says or
+    else as x_TD came: on an Explicit mesh by its type (so a residual `x + y` type-checks), on an Auto mesh through
+    XLA's propagation (`shard_alike`, whose group ids JAX counts process-wide: a program lowered after others
+    differs from the same one lowered first, so the persistent compilation cache misses it; give `out_sharding`
+    where that matters).
 
   Raises:
     ValueError: naming the bad value: shapes, dtypes, top-k, axes the mesh lacks, unknown dispatcher, option or
@@ -158,7 +162,7 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
   arrays = (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
   static = dict(mesh=context_mesh() if mesh is None else mesh, dispatcher=dispatcher, expert_axis=expert_axis,
                 token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis, return_stats=return_stats,
-                activation=activation, options=tuple(sorted(options.items())))
+                activation=activation, out_sharding=out_sharding, options=tuple(sorted(options.items())))
   if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((arrays, shared, shared_gate_D1))) or \
       not _hashable(static):
     return _block(*arrays, shared=shared, shared_gate_D1=shared_gate_D1, **static)
@@ -177,7 +181,7 @@ def _hashable(static):
 
 
 def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shared_gate_D1, mesh, dispatcher,
-           expert_axis, token_axes, tensor_axis, return_stats, activation, options):
+           expert_axis, token_axes, tensor_axis, return_stats, activation, out_sharding, options):
   """`moe_ffn` with its mesh resolved and its dispatcher options as sorted (name, value) pairs."""
   layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis)
   dispatcher = _dispatcher_for(layout, dispatcher, dict(options))
@@ -193,12 +197,12 @@ def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shar
                                  w_down_EFD, count_drops=return_stats, activation=activation)
   if shared is not None:
     y_TD = y_TD + _shared_where_y_is(layout, x_TD, shared, shared_gate_D1)
-  y = layout.restore(unfold(layout, y_TD, x_in), x_sharding, x_in)
+  y = layout.restore(unfold(layout, y_TD, x_in), x_sharding, x_in, out_sharding)
   return (y, DispatchStats(dropped_pairs=dropped)) if return_stats else y
 
 
 _compiled_block = jax.jit(_block, static_argnames=("mesh", "dispatcher", "expert_axis", "token_axes", "tensor_axis",
-                                                   "return_stats", "activation", "options"))
+                                                   "return_stats", "activation", "out_sharding", "options"))
 
 
 def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, count_drops,

@@ -44,6 +44,21 @@ def test_explicit_mesh_output_sharded_as_x_for_a_residual_add():
   assert_close(out, layer["x_TD"] + rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "x + y")
 
 
+def test_out_sharding_is_the_outputs_on_auto_and_explicit_meshes():
+  """Given, y comes back as it says (inside the caller's jit on an Auto mesh too, where x's sharding is no type);
+  anything but a PartitionSpec or NamedSharding is named."""
+  layer = random_layer(2, 64, 16, 24, 8, 2)
+  for explicit in (False, True):
+    mesh = mesh_of((2, 4), DATA_EXPERT, explicit=explicit)
+    x_TD = jax.device_put(layer["x_TD"], NamedSharding(mesh, P(rm.DATA)))
+    call = jax.jit(lambda x, *rest: rm.moe_ffn(x, *rest, mesh=mesh, out_sharding=P(None, rm.EXPERT)))
+    y = call(x_TD, *(layer[a] for a in ARGS[1:]))
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, rm.EXPERT)), 2), (explicit, y.sharding)
+    assert_close(y, rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")
+  with pytest.raises(ValueError, match=r"out_sharding=\('data',\) must be a PartitionSpec or a NamedSharding"):
+    rm.moe_ffn(*(layer[a] for a in ARGS), mesh=mesh, out_sharding=(rm.DATA,))
+
+
 @pytest.mark.slow  # 7 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_auto_mesh_eager_call_and_resharded_inputs():
   """Called outside jit with inputs sharded some other way (x split over D, weights over D): resharded, not
