@@ -1,6 +1,6 @@
 """What document masking and the held-out loss cost: the same run on packed documents with masking on and off.
 
-    python -m benchmarks.documents --config ep8 [--steps 12] [--mean-doc 1024] [--tokens 4000000] [key=value ...]
+    python -m benchmarks.documents --config ep8 [--steps 12] [--mean-doc 1024] [--tokens 8000000] [key=value ...]
 
 Writes a token file of documents of mixed lengths (exponential, mean `--mean-doc` tokens, at least 16; random ids,
 each document ended by an EOS id), then trains `--steps` steps from it twice, each a separate `relaymoe-train`
@@ -82,7 +82,7 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--log-every", type=int, default=2)
   parser.add_argument("--mean-doc", type=int, default=1024, help="mean document length in tokens")
-  parser.add_argument("--tokens", type=int, default=4_000_000, help="tokens in the generated file")
+  parser.add_argument("--tokens", type=int, default=8_000_000, help="tokens in the generated file")
   parser.add_argument("--eval-batches", type=int, default=4)
   parser.add_argument("--work", default="/tmp/relaymoe_documents")
   parser.add_argument("--out", help="results JSON (default benchmarks/results/documents_CONFIG_BxS.json)")
