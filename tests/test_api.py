@@ -221,6 +221,7 @@ def test_programs_with_collectives_in_flight_together_finish_on_emulated_devices
   assert [float(s[0]) for s in sums] == [8.0 * k * k + 512.0 * k for k in range(16)]  # rows·k·i + 8·64·i, i = k
 
 
+@pytest.mark.slow  # ~6 s; the default run reached 9.6 min on 2 cores, over 10 on CI's; CI's second step runs it
 def test_eager_calls_compile_once():
   """Outside a trace, `moe_ffn` (and so each layer) compiles once per static arguments and shapes: a second eager
   call of an NNX layer takes at least 20x less than the first (the first: ~1-2 s; it took as long every call, 3-6
