@@ -53,11 +53,11 @@ def resolve_remat(run_config, resume=False):
                          f"{size(plan.budget_bytes)}. {_search_hint()}")
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
-  run_config, step = resolve_loss_chunk(apply_plan(run_config, plan),
-                                        planner.compiled_step(plan.remat, plan.keep_gate_up),
-                                        base_bytes=plan.total_bytes)
-  if isinstance(run_config.runtime.loss_chunk_tokens, int):
-    plan.loss_chunk_tokens = run_config.runtime.loss_chunk_tokens
+  chosen, step = resolve_loss_chunk(apply_plan(run_config, plan), planner.compiled_step(plan.remat, plan.keep_gate_up),
+                                    base_bytes=plan.total_bytes)
+  if run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO:  # a chunk the user set is no choice of the plan's
+    plan.loss_chunk_tokens = chosen.runtime.loss_chunk_tokens
+  run_config = chosen
   _record(plan, key, path, cached)
   return run_config, plan, step
 
