@@ -296,6 +296,18 @@ def _key(config):
   return plan_key(config, model_config_for(config), FakePlanner.budget_bytes)
 
 
+
+def test_the_plan_key_changes_with_document_masking_and_not_with_the_data_path(tmp_path):
+  """Masking adds the attention's document bias and the batch's segment ids to the step: a plan made without it
+  must not be read back for a run with it. Which file the tokens come from changes nothing compiled."""
+  tokens = dataclasses.replace(BASE.data, kind="tokens", path=str(tmp_path / "a.bin"), eos_token=0)
+  masked = dataclasses.replace(BASE, data=tokens)
+  unmasked = dataclasses.replace(BASE, data=dataclasses.replace(tokens, document_masking=False))
+  elsewhere = dataclasses.replace(BASE, data=dataclasses.replace(tokens, path=str(tmp_path / "b.bin")))
+  assert _key(masked) != _key(unmasked)
+  assert _key(masked) == _key(elsewhere)
+  assert _key(unmasked) == _key(BASE)
+
 DAMAGED = {
     "not JSON": lambda key: "{\"key\": ",
     "not an object": lambda key: json.dumps([key, STORED]),

@@ -58,6 +58,7 @@ def plan_key(run_config, model_config, budget):
     code.update(path.read_bytes())
   devices = jax.devices()
   what = dict(run={k: v for k, v in dataclasses.asdict(run_config).items() if k not in NOT_PLANNED},
+              masks_documents=run_config.data.masks_documents(),  # the step's attention bias and its inputs
               model=dataclasses.asdict(model_config), budget=budget, jax=jax.__version__,
               devices=[len(devices), devices[0].device_kind], code=code.hexdigest())
   return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
