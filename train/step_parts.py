@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 
 from train.trace_events import union_us
+from train.xla_cache import compiled_afresh
 
 PARTS = {  # part: its row in the table, in order
     "lm_head": "LM head and loss", "attention": "attention", "moe_matmul": "MoE grouped matmuls",
@@ -38,17 +39,21 @@ class Instruction(NamedTuple):
   opcode: str
   op_name: str  # the metadata's: "jit(train_step)/transpose(jvp(...))/.../moe/..."
   contains: frozenset  # opcodes inside the computations it calls (fusions, async wrappers), recursively
+  target: str = ""  # a custom call's custom_call_target
 
 
 @contextlib.contextmanager
 def full_op_names(on=True):
   """Steps compiled inside get each instruction's whole name stack in its op_name metadata (with `on`; else it
   changes nothing). `train.compile` turns full tracebacks off for cache keys that do not depend on the stack, and
-  without them the ops in a loop body or a shard_map keep only their innermost name (`mul`), no scope."""
+  without them the ops in a loop body or a shard_map keep only their innermost name (`mul`), no scope. Nor is a
+  step read back from JAX's persistent cache inside: its key leaves the names out, and a GPU step compiled by a
+  run that did not profile came back with none (the whole all-to-all step counted as "other")."""
   before = jax.config.jax_include_full_tracebacks_in_locations
   jax.config.update("jax_include_full_tracebacks_in_locations", on or before)
   try:
-    yield
+    with compiled_afresh(on):
+      yield
   finally:
     jax.config.update("jax_include_full_tracebacks_in_locations", before)
 
@@ -89,21 +94,21 @@ def parse_hlo(text):
       opcode = "dot"  # a matmul kernel: counts as one
     calls = [c.strip(" {}%") for m in _CALLS.finditer(line) for c in m.group(1).split(",")]
     op_name = _OP_NAME.search(line)
-    raw[name.group(1)] = (opcode, op_name.group(1) if op_name else "", calls)
+    raw[name.group(1)] = (opcode, op_name.group(1) if op_name else "", calls, target.group(1) if target else "")
     members[computation].append(name.group(1))
 
   @functools.cache
   def contained(computation):
     found = set()
     for member in members.get(computation, ()):
-      opcode, _, calls = raw[member]
+      opcode, _, calls, _ = raw[member]
       found.add(opcode)
       for called in calls:
         found |= contained(called)
     return frozenset(found)
 
-  return {name: Instruction(opcode, op_name, frozenset().union(*map(contained, calls)))
-          for name, (opcode, op_name, calls) in raw.items()}
+  return {name: Instruction(opcode, op_name, frozenset().union(*map(contained, calls)), target)
+          for name, (opcode, op_name, calls, target) in raw.items()}
 
 
 def _base(opcode):
@@ -116,7 +121,7 @@ def part_of(instruction, event_name=""):
     lower = event_name.lower()
     return "copy" if "memcpy" in lower or "memset" in lower else "communication" if "nccl" in lower else (
         "unattributed")
-  opcode, op_name, contains = instruction
+  opcode, op_name, contains, _ = instruction
   if opcode in CONTAINERS:
     return None
   if _base(opcode) in COLLECTIVES or (opcode.startswith("async") and {_base(o) for o in contains} & COLLECTIVES):
@@ -129,6 +134,20 @@ def part_of(instruction, event_name=""):
     matmul = opcode in MATMULS or (opcode == "fusion" and contains & MATMULS)
     return "moe_matmul" if matmul and "router" not in scopes else "moe_other"
   return part
+
+
+LIBRARIES = ("cudnn", "mosaic")  # kernels named after their library, as are the custom calls that launch them
+
+
+def _library_parts(instructions):
+  """{library: its custom calls' one part} for each of LIBRARIES whose custom calls in the step all lie in one part
+  (cuDNN's attention, the MoE's Mosaic GPU kernels): its kernels in a CUDA graph take that part."""
+  parts = collections.defaultdict(set)
+  for instruction in instructions.values():
+    library = next((lib for lib in LIBRARIES if lib in instruction.target.lower()), None)
+    if library:
+      parts[library].add(part_of(instruction))
+  return {library: part for library, (part, *more) in parts.items() if not more}
 
 
 def _unnamed_graph_kernel_part(named_parts):
@@ -183,8 +202,13 @@ def step_parts(events, hlo_text, steps, wall_s):
       count(event, part, op)
       if in_graph:
         graph_parts[event.hlo_op][part] += event.dur_us
+  library_parts = _library_parts(instructions)
   for event in unnamed:
-    count(event, _unnamed_graph_kernel_part(graph_parts[event.hlo_op]), event.name)
+    part = part_of(None, event.name)
+    library = next((lib for lib in LIBRARIES if lib in event.name.lower()), None)
+    if part == "unattributed":
+      part = library_parts.get(library) or _unnamed_graph_kernel_part(graph_parts[event.hlo_op])
+    count(event, part, event.name)
   step_ms = wall_s * 1e3 / steps
   busy_ms = union_us(spans) / 1e3 / steps
 

@@ -4,6 +4,7 @@ compiles, and never replaces the entry (its cache does not overwrite a key it ho
 compiled again on every run, forever. Here such an entry is named and removed, and the compile that follows
 caches the step anew."""
 
+import contextlib
 import functools
 import pathlib
 import sys
@@ -22,6 +23,19 @@ def use_compilation_cache(directory):
   read = compilation_cache.get_executable_and_time
   compilation_cache.get_executable_and_time = dropping_damaged_entries(
       getattr(read, "relaymoe_unwrapped", read), pathlib.Path(directory))  # once, whatever the directory
+
+
+@contextlib.contextmanager
+def compiled_afresh(on=True):
+  """Programs compiled inside (with `on`) are compiled, not read from JAX's persistent cache (they are still
+  written to it): a cache read is a miss."""
+  read = compilation_cache.get_executable_and_time
+  if on:
+    compilation_cache.get_executable_and_time = lambda *args, **kwargs: (None, None)
+  try:
+    yield
+  finally:
+    compilation_cache.get_executable_and_time = read
 
 
 def dropping_damaged_entries(read, directory):
