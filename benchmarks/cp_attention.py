@@ -2,6 +2,8 @@
 
     python -m benchmarks.cp_attention [--tokens 65536,262144] [--variants cudnn_whole,cudnn_tiles,xla_tiles]
                                       [--xla-max-tokens 65536] [--out benchmarks/results/cp_attention.json]
+    python -m benchmarks.cp_attention --batch 16 --tokens 4096 --mean-doc 1024 \
+        --variants cudnn_whole,cudnn_documents,cudnn_documents_public --out benchmarks/results/documents_attention.json
 
 Under context parallelism over N devices a device attends its two chunks to their causal prefix tile pair by tile
 pair (`models/context_parallel.py`): 1/N of the sequence's causal work. On one GPU the same loop runs over a mesh
@@ -10,7 +12,11 @@ does for a sequence of S·√N (a 4M-token sequence over 8 devices: S = 1.48M). 
 heads, 4 K/V heads, head_dim 128), one sequence, bfloat16, forward and forward+backward of one layer:
   cudnn_whole  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`: the path without CP;
   cudnn_tiles  the CP loop on cuDNN tile pairs (`CUDNN_TILES`, tiles of up to --tile rows);
-  xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens.
+  xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
+  with --mean-doc, each row packed documents (exponential lengths of that mean) that do not see each other:
+  cudnn_documents         the model's path without CP (`models.attention.attention`: `cudnn_attention.causal_masked`);
+  cudnn_documents_public  `jax.nn.dot_product_attention(mask=...)`, whose backward also computes the mask's bias
+                          gradient. The TFLOP/s of both still count every causal pair (the masked ones too).
 TFLOP/s count the causal pairs only (forward 4·S²/2·heads·head_dim, forward+backward 3.5× that). Prints a table
 and writes JSON; the last line is the summary at the largest length.
 """
@@ -26,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from models.attention import attention, same_segment
 from models.context_parallel import XLA_TILES, context_attention
 from models.cudnn_attention import CUDNN_TILES
 from models.sharding import MESH_AXES
@@ -33,8 +40,13 @@ from models.sharding import MESH_AXES
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 
 
-def _attend(variant, mesh, tile):
+def _attend(variant, mesh, tile, segments_BS):
   scale = HEAD_DIM ** -0.5
+  if variant == "cudnn_documents":
+    return lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments_BS)
+  if variant == "cudnn_documents_public":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn",
+                                                        mask=same_segment(segments_BS, segments_BS)[:, None])
   if variant == "cudnn_whole":
     return functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
   kernels = {"cudnn_tiles": CUDNN_TILES, "xla_tiles": XLA_TILES}[variant]
@@ -53,12 +65,23 @@ def seconds(f, args, iters):
   return float(np.median(times))
 
 
-def measure(variant, tokens, tile, iters):
+def documents(batch, tokens, mean_doc, seed=0):
+  """[batch, tokens] segment ids of packed documents of exponential lengths of mean `mean_doc` (at least 1)."""
+  rng = np.random.default_rng(seed)
+  lengths = np.maximum(rng.exponential(mean_doc, size=(batch, tokens)).astype(np.int64), 1)
+  ends = np.cumsum(lengths, axis=1)
+  starts = np.zeros((batch, tokens), np.int32)
+  for row in range(batch):
+    starts[row, ends[row][ends[row] < tokens]] = 1
+  return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+
+
+def measure(variant, tokens, tile, iters, batch=1, mean_doc=0):
   mesh = jax.make_mesh((1, 1, 1), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:1])
   keys = jax.random.split(jax.random.key(0), 4)
-  q, k, v, do = (jax.random.normal(key, (1, tokens, h, HEAD_DIM), jnp.bfloat16)
+  q, k, v, do = (jax.random.normal(key, (batch, tokens, h, HEAD_DIM), jnp.bfloat16)
                  for key, h in zip(keys, (QUERY_HEADS, KV_HEADS, KV_HEADS, QUERY_HEADS)))
-  attend = _attend(variant, mesh, tile)
+  attend = _attend(variant, mesh, tile, documents(batch, tokens, mean_doc) if mean_doc else None)
 
   def forward_backward(q, k, v, do):
     out, vjp = jax.vjp(attend, q, k, v)
@@ -66,18 +89,19 @@ def measure(variant, tokens, tile, iters):
 
   fwd = seconds(jax.jit(attend), (q, k, v), iters)
   both = seconds(jax.jit(forward_backward), (q, k, v, do), iters)
-  flops = 4 * tokens * (tokens + 1) / 2 * QUERY_HEADS * HEAD_DIM
-  return dict(variant=variant, tokens=tokens, tile=tile if variant == "cudnn_tiles" else None, fwd_ms=1e3 * fwd,
+  flops = batch * 4 * tokens * (tokens + 1) / 2 * QUERY_HEADS * HEAD_DIM
+  return dict(variant=variant, batch=batch, mean_doc=mean_doc or None, tokens=tokens,
+              tile=tile if variant == "cudnn_tiles" else None, fwd_ms=1e3 * fwd,
               fwd_bwd_ms=1e3 * both, bwd_ms=1e3 * (both - fwd), fwd_tflops=flops / fwd / 1e12,
               fwd_bwd_tflops=3.5 * flops / both / 1e12)
 
 
 def table(rows):
-  lines = ["| variant | tokens | tile | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |",
+  lines = ["| variant | rows × tokens | tile | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['variant']} | {r['tokens']} | {r['tile'] or '-'} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | "
-                 f"{r['fwd_bwd_ms']:.1f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} |")
+    lines.append(f"| {r['variant']} | {r.get('batch', 1)} × {r['tokens']} | {r['tile'] or '-'} | {r['fwd_ms']:.1f} | "
+                 f"{r['bwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} |")
   return "\n".join(lines)
 
 
@@ -94,6 +118,8 @@ def main(argv=None):
   parser.add_argument("--tile", type=int, default=CUDNN_TILES.tile)
   parser.add_argument("--xla-max-tokens", type=int, default=65536)
   parser.add_argument("--iters", type=int, default=3)
+  parser.add_argument("--batch", type=int, default=1, help="sequences (rows) of --tokens each")
+  parser.add_argument("--mean-doc", type=int, default=0, help="packed documents of this mean length (0: one)")
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "cp_attention.json"))
   args = parser.parse_args(argv)
   rows = []
@@ -101,7 +127,7 @@ def main(argv=None):
     for variant in args.variants.split(","):
       if variant == "xla_tiles" and tokens > args.xla_max_tokens:
         continue
-      rows.append(measure(variant, tokens, args.tile, args.iters))
+      rows.append(measure(variant, tokens, args.tile, args.iters, args.batch, args.mean_doc))
       print(rows[-1], flush=True)
   meta = dict(harness.machine(jax), command=harness.command_line("cp_attention", argv))
   text = f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}"

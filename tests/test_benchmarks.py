@@ -368,6 +368,13 @@ def test_merge_by_key_keeps_the_first_place_and_the_latest_item():
   assert harness.merge_by_key([], lambda r: r) == []
 
 
+def test_cp_attention_packs_documents_one_after_another():
+  segments = np.asarray(cp_attention.documents(3, 4096, 256))
+  assert segments.shape == (3, 4096) and (segments[:, 0] == 0).all()
+  assert set(np.unique(np.diff(segments, axis=1))) <= {0, 1}  # contiguous documents, ids counting up
+  assert 4096 / 512 < 4096 * 3 / (segments[:, -1] + 1).sum() < 512  # mean length near 256 (exponential, ≥ 1)
+
+
 def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
   """XLA's tiles run anywhere (cuDNN's need a GPU): a row with both timings and the summary naming it."""
   out = tmp_path / "cp.json"
