@@ -3,20 +3,19 @@
     python -m benchmarks.cp_attention [--tokens 65536,262144] [--variants cudnn_whole,cudnn_tiles,xla_tiles]
                                       [--xla-max-tokens 65536] [--out benchmarks/results/cp_attention.json]
     python -m benchmarks.cp_attention --batch 16 --tokens 4096 --mean-doc 1024 \
-        --variants cudnn_whole,cudnn_documents,cudnn_documents_public --out benchmarks/results/documents_attention.json
+        --variants cudnn_whole,cudnn_documents --out benchmarks/results/documents_attention.json
 
 Under context parallelism over N devices a device attends its two chunks to their causal prefix tile pair by tile
 pair (`models/context_parallel.py`): 1/N of the sequence's causal work. On one GPU the same loop runs over a mesh
 of one device (the sequence's two chunks against their prefix, no gather), so S tokens here are the work a device
 does for a sequence of S·√N (a 4M-token sequence over 8 devices: S = 1.48M). Qwen3-30B-A3B's attention (32 query
-heads, 4 K/V heads, head_dim 128), one sequence, bfloat16, forward and forward+backward of one layer:
+heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward and forward+backward of one layer:
   cudnn_whole  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`: the path without CP;
   cudnn_tiles  the CP loop on cuDNN tile pairs (`CUDNN_TILES`, tiles of up to --tile rows);
   xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
-  with --mean-doc, each row packed documents (exponential lengths of that mean) that do not see each other:
-  cudnn_documents         the model's path without CP (`models.attention.attention`: `cudnn_attention.causal_masked`);
-  cudnn_documents_public  `jax.nn.dot_product_attention(mask=...)`, whose backward also computes the mask's bias
-                          gradient. The TFLOP/s of both still count every causal pair (the masked ones too).
+  cudnn_documents  with --mean-doc: each row packed documents (exponential lengths of that mean) that do not see
+               each other, on the model's path without CP (`models.attention.attention`: cuDNN with the mask as a
+               bias); its TFLOP/s count every causal pair, the masked ones too.
 TFLOP/s count the causal pairs only (forward 4·S²/2·heads·head_dim, forward+backward 3.5× that). Prints a table
 and writes JSON; the last line is the summary at the largest length.
 """
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from models.attention import attention, same_segment
+from models.attention import attention
 from models.context_parallel import XLA_TILES, context_attention
 from models.cudnn_attention import CUDNN_TILES
 from models.sharding import MESH_AXES
@@ -44,9 +43,6 @@ def _attend(variant, mesh, tile, segments_BS):
   scale = HEAD_DIM ** -0.5
   if variant == "cudnn_documents":
     return lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments_BS)
-  if variant == "cudnn_documents_public":
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn",
-                                                        mask=same_segment(segments_BS, segments_BS)[:, None])
   if variant == "cudnn_whole":
     return functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
   kernels = {"cudnn_tiles": CUDNN_TILES, "xla_tiles": XLA_TILES}[variant]

@@ -118,7 +118,8 @@ def main(argv=None):
              f"masked_over_unmasked={'nan' if ratio is None else f'{ratio:.3f}'} "
              f"eval_s_per_1m_tokens={'nan' if per_1m is None else f'{per_1m:.2f}'}")
   harness.write_json(result, out)
-  harness.write_table(f"# {harness.command_line('benchmarks.documents', argv)}\n\n{table}\n\n{summary}", out)
+  machine = ", ".join(f"{k} {v}" for k, v in result["machine"].items())
+  harness.write_table(f"# {harness.command_line('documents', argv)}\n# {machine}\n\n{table}\n\n{summary}", out)
   print(table, summary, sep="\n\n")
   return 0 if ok else 1
 

@@ -2,12 +2,13 @@
 
 Documents are given by segment ids [B, S] (int, non-decreasing along each row: documents packed one after another);
 a query sees a key only in its own segment. On XLA's implementation that is a boolean mask beside the causal one.
-cuDNN flash attention takes no segment ids: it takes the mask as an additive bias [B, 1, S, S] in the compute dtype
-that the kernel reads for every score, so every tile is still computed (masked, not skipped). With a mask it runs
-through `cudnn_attention.causal_masked`, whose backward does not compute that bias's gradient (JAX's public
-`jax.nn.dot_product_attention` always does: [B, 1, S, S] written and summed over heads each backward). Its packed
-layout (ragged offsets per document, which skips what a document cannot see) needs a static bound on the documents
-per row and is not used.
+cuDNN flash attention (JAX's public `jax.nn.dot_product_attention`) takes no segment ids: it takes a boolean mask,
+which JAX turns into an additive bias [B, 1, S, S] in the compute dtype that the kernel reads for every score, so
+every tile is still computed (masked, not skipped). Reading it doubles the kernels' time (one H200, 16 × 4096, the
+30B shape's heads: forward and backward 15.9 ms unmasked, 33.1 masked; `benchmarks.cp_attention --mean-doc`); a
+backward without the bias's gradient, which JAX's wrapper always has cuDNN compute, measured no faster (33.0 ms).
+Its packed layout (ragged offsets per document, which skips what a document cannot see) needs a static bound on
+the documents per row and is not used yet.
 
 Shape letters: see `relaymoe_jax`.
 """
@@ -18,22 +19,14 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from models import cudnn_attention
-
 
 def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_ids_BS=None):
   """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation);
   `platform`: that of the devices it runs on, for "auto"; `segment_ids_BS`: a query sees only keys of its own
   segment (None: the whole row)."""
-  mask_BSS = None if segment_ids_BS is None else same_segment(segment_ids_BS, segment_ids_BS)
-  public = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, scale=scale, is_causal=True,
-                             mask=None if mask_BSS is None else mask_BSS[:, None])
-
-  def attend(implementation):
-    if implementation == "cudnn" and mask_BSS is not None and cudnn_attention.unavailable("gpu", q_BSQZ.dtype) is None:
-      return cudnn_attention.causal_masked(q_BSQZ, k_BSJZ, v_BSJZ, mask_BSS, scale)
-    return public(implementation=implementation)
-
+  mask = None if segment_ids_BS is None else same_segment(segment_ids_BS, segment_ids_BS)[:, None]
+  attend = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, mask=mask, scale=scale,
+                             is_causal=True)
   if implementation == "auto":
     if platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16):
       return attend(implementation="xla")

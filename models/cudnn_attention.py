@@ -16,7 +16,6 @@ Shape letters: see `relaymoe_jax`; A and W the rows of a query and a key tile.
 import functools
 import logging
 
-import jax
 import jax.numpy as jnp
 
 from models.context_parallel import XLA_TILES, TileKernels
@@ -57,29 +56,6 @@ def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale
 
 
 CUDNN_TILES = TileKernels(name="cudnn", forward=_forward, backward=_backward, tile=TILE)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def causal_masked(q_BSQZ, k_BSJZ, v_BSJZ, mask_BSS, scale):
-  """Causal cuDNN flash attention of the (query, key) pairs `mask_BSS` allows (packed documents), through the tile
-  kernels above. JAX's public path (`jax.nn.dot_product_attention(mask=...)`) has cuDNN write the gradient of the
-  mask's bias, [B, 1, S, S] summed over heads, in every backward; nothing needs it, and this backward skips it."""
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale, mask_BAW=mask_BSS)[0]
-
-
-def _causal_masked_forward(q_BSQZ, k_BSJZ, v_BSJZ, mask_BSS, scale):
-  o_BSQZ, lse_BQS = _forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale, mask_BAW=mask_BSS)
-  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS, mask_BSS)
-
-
-def _causal_masked_backward(scale, residuals, do_BSQZ):
-  q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS, mask_BSS = residuals
-  dq, dk, dv = _backward(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, lse_BQS, do_BSQZ, causal=True, scale=scale,
-                         mask_BAW=mask_BSS)
-  return dq, dk, dv, None
-
-
-causal_masked.defvjp(_causal_masked_forward, _causal_masked_backward)
 
 
 def unavailable(platform, dtype):

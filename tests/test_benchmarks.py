@@ -418,5 +418,6 @@ def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
   result = json.loads(out.read_text())
   for run in result["runs"].values():
     assert run["tokens_per_s"] > 0 and run["eval_tokens"] > 0 and np.isfinite(run["eval_loss"]), run
-  assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d",
-                  out.with_suffix(".txt").read_text().splitlines()[-1])
+  lines = out.with_suffix(".txt").read_text().splitlines()
+  assert lines[0].startswith("# python -m benchmarks.documents --config cpu ") and " jax " in lines[1]
+  assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d", lines[-1])
