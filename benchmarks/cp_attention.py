@@ -66,9 +66,9 @@ def documents(batch, tokens, mean_doc, seed=0):
   rng = np.random.default_rng(seed)
   lengths = np.maximum(rng.exponential(mean_doc, size=(batch, tokens)).astype(np.int64), 1)
   ends = np.cumsum(lengths, axis=1)
+  inside = ends < tokens
   starts = np.zeros((batch, tokens), np.int32)
-  for row in range(batch):
-    starts[row, ends[row][ends[row] < tokens]] = 1
+  starts[np.nonzero(inside)[0], ends[inside]] = 1
   return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
 

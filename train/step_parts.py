@@ -205,8 +205,8 @@ def step_parts(events, hlo_text, steps, wall_s):
   library_parts = _library_parts(instructions)
   for event in unnamed:
     part = part_of(None, event.name)
-    library = next((lib for lib in LIBRARIES if lib in event.name.lower()), None)
     if part == "unattributed":
+      library = next((lib for lib in LIBRARIES if lib in event.name.lower()), None)
       part = library_parts.get(library) or _unnamed_graph_kernel_part(graph_parts[event.hlo_op])
     count(event, part, event.name)
   step_ms = wall_s * 1e3 / steps
