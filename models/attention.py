@@ -1,14 +1,10 @@
 """Causal attention of one whole sequence per row, optionally of packed documents that never see each other.
 
-Documents are given by segment ids [B, S] (int, non-decreasing along each row: documents packed one after another);
-a query sees a key only in its own segment. On XLA's implementation that is a boolean mask beside the causal one.
-cuDNN flash attention (JAX's public `jax.nn.dot_product_attention`) takes no segment ids: it takes a boolean mask,
-which JAX turns into an additive bias [B, 1, S, S] in the compute dtype that the kernel reads for every score, so
-every tile is still computed (masked, not skipped). Reading it doubles the kernels' time (one H200, 16 × 4096, the
-30B shape's heads: forward and backward 15.9 ms unmasked, 33.1 masked; `benchmarks.cp_attention --mean-doc`); a
-backward without the bias's gradient, which JAX's wrapper always has cuDNN compute, measured no faster (33.0 ms).
-Its packed layout (ragged offsets per document, which skips what a document cannot see) needs a static bound on
-the documents per row and is not used yet.
+Documents are given by segment ids [B, S] (`models.documents`); a query sees a key only in its own segment. On XLA's
+implementation that is a boolean mask beside the causal one. On cuDNN each document is attended as a sequence of
+its own (`models.cudnn_documents`: cuDNN's packed layout, on Hopper GPUs); elsewhere the mask goes to
+`jax.nn.dot_product_attention`, which passes it to cuDNN as an additive bias [B, 1, S, S]: every causal tile is
+computed, by a kernel twice as slow.
 
 Shape letters: see `relaymoe_jax`.
 """
@@ -19,37 +15,31 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from models import cudnn_documents
+from models.documents import same_document
+
 
 def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_ids_BS=None):
-  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation);
-  `platform`: that of the devices it runs on, for "auto"; `segment_ids_BS`: a query sees only keys of its own
-  segment (None: the whole row)."""
-  mask = None if segment_ids_BS is None else same_segment(segment_ids_BS, segment_ids_BS)[:, None]
-  attend = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, mask=mask, scale=scale,
+  """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation), or
+  cuDNN's packed documents; `platform`: that of the devices it runs on, for "auto"; `segment_ids_BS`: a query sees
+  only keys of its own segment (None: the whole row)."""
+  mask = None if segment_ids_BS is None else same_document(segment_ids_BS)[:, None]
+  public = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, mask=mask, scale=scale,
                              is_causal=True)
-  if implementation == "auto":
-    if platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16):
-      return attend(implementation="xla")
-    try:
-      return attend(implementation="cudnn")
-    except Exception as err:  # noqa: BLE001  (cuDNN takes a subset of shapes and versions; it says so at trace time)
-      _log_attention_fallback(f"{type(err).__name__}: {err}"[:200])
-      return attend(implementation="xla")
-  return attend(implementation=implementation)
-
-
-def same_segment(query_segments_BA, key_segments_BW):
-  """[B, A, W]: whether each query's segment is each key's."""
-  return query_segments_BA[:, :, None] == key_segments_BW[:, None, :]
-
-
-def segment_positions(segment_ids_BS):
-  """Each token's place in its own segment (RoPE's positions for packed documents): 0 at each segment's start."""
-  s = segment_ids_BS.shape[1]
-  index_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids_BS.shape)
-  starts_BS = jnp.concatenate([jnp.ones_like(segment_ids_BS[:, :1], bool),
-                               segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
-  return index_BS - jax.lax.cummax(jnp.where(starts_BS, index_BS, 0), axis=1)
+  if implementation == "xla" or (implementation == "auto" and (
+      platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16))):
+    return public(implementation="xla")
+  if segment_ids_BS is not None and cudnn_documents.unavailable(platform, q_BSQZ, k_BSJZ) is None:
+    attend = functools.partial(cudnn_documents.documents_attention, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale)
+  else:
+    attend = functools.partial(public, implementation="cudnn")
+  if implementation == "cudnn":
+    return attend()
+  try:
+    return attend()
+  except Exception as err:  # noqa: BLE001  (cuDNN takes a subset of shapes and versions; it says so at trace time)
+    _log_attention_fallback(f"{type(err).__name__}: {err}"[:200])
+    return public(implementation="xla")
 
 
 @functools.lru_cache(maxsize=None)

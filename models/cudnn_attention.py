@@ -22,23 +22,23 @@ from models.context_parallel import XLA_TILES, TileKernels
 from relaymoe_jax.errors import UserError
 
 try:
-  from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+  from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn
 except ImportError:  # a JAX without its cuDNN attention module
-  _cudnn = None
+  jax_cudnn = None
 
 TILE = 16384  # rows of a tile pair: large enough that a pair runs at the kernel's full speed
 
 
 def _mask(causal):
-  return _cudnn.MaskType.CAUSAL if causal else _cudnn.MaskType.NO_MASK
+  return jax_cudnn.MaskType.CAUSAL if causal else jax_cudnn.MaskType.NO_MASK
 
 
 def _bias(mask_BAW, dtype):
-  return None if mask_BAW is None else _cudnn.combine_bias_and_mask(None, mask_BAW[:, None], dtype)
+  return None if mask_BAW is None else jax_cudnn.combine_bias_and_mask(None, mask_BAW[:, None], dtype)
 
 
 def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW=None):
-  o_BAQZ, lse_BQA = _cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, _bias(mask_BAW, q_BAQZ.dtype),
+  o_BAQZ, lse_BQA = jax_cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, _bias(mask_BAW, q_BAQZ.dtype),
                                                  scale=scale, mask_type=_mask(causal), qkv_layout="BTNH",
                                                  return_residual=True)
   return o_BAQZ, lse_BQA
@@ -47,10 +47,10 @@ def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW=None):
 def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale, mask_BAW=None):
   unused = jnp.zeros(0, q_BAQZ.dtype)  # no sequence lengths, offsets or page tables (nor a bias unless masked)
   bias = _bias(mask_BAW, q_BAQZ.dtype)
-  grads = _cudnn._dot_product_attention_bwd_p_wrapper.bind(
+  grads = jax_cudnn._dot_product_attention_bwd_p_wrapper.bind(
       q_BAQZ, k_BWJZ, v_BWJZ, unused if bias is None else bias, unused, unused, unused, unused, unused, unused,
       lse_BQA, o_BAQZ.astype(q_BAQZ.dtype), do_BAQZ.astype(q_BAQZ.dtype), scale=scale, seed=0, dropout_rate=0.0,
-      variadic_args=(bias is not None, False), mask_type=_mask(causal), layout=_cudnn.AttentionLayout.BTNH.value,
+      variadic_args=(bias is not None, False), mask_type=_mask(causal), layout=jax_cudnn.AttentionLayout.BTNH.value,
       sliding_window_length=None)
   return tuple(grads[:3])
 
@@ -64,10 +64,10 @@ def unavailable(platform, dtype):
     return f"the devices are {platform}, not GPUs"
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN flash attention takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
-  if _cudnn is None or not hasattr(_cudnn, "_dot_product_attention_bwd_p_wrapper"):
+  if jax_cudnn is None or not hasattr(jax_cudnn, "_dot_product_attention_bwd_p_wrapper"):
     return "this JAX has no cuDNN attention primitives"
   try:
-    _cudnn.check_cudnn_version()
+    jax_cudnn.check_cudnn_version()
   except RuntimeError as err:
     return str(err)
   return None

@@ -21,7 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-from models.attention import attention, segment_positions
+from models.attention import attention
+from models.documents import segment_positions
 from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.cudnn_attention import tile_kernels

@@ -20,6 +20,9 @@ from conftest import assert_close, requires_devices
 from models import qwen3
 from models.attention import attention
 from models.cudnn_attention import CUDNN_TILES, tile_kernels
+from models import cudnn_documents
+from models.cudnn_documents import documents_attention
+from models.documents import packed_layout
 from models.context_parallel import XLA_TILES, balanced_order, context_attention
 from models.qwen3_config import RuntimeConfig, load_config
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
@@ -121,6 +124,15 @@ def test_segments_and_positions_restart_after_each_eos():
   assert set(documents(np.zeros((1, 3), np.int32), eos=None)) == {"tokens"}
 
 
+def test_packed_layout_lists_each_rows_documents_and_whether_they_fit():
+  segments = jnp.asarray([[3, 3, 3, 4, 4, 7, 8, 8], [0, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
+  lengths, offsets, fits = packed_layout(segments, 4)
+  np.testing.assert_array_equal(lengths[:2], [[3, 2, 1, 2], [8, -1, -1, -1]])
+  np.testing.assert_array_equal(offsets[:2], [[0, 3, 5, 6, -1], [0, -1, -1, -1, -1]])
+  assert not fits  # row 2: eight documents
+  assert packed_layout(segments[:2], 4)[2] and not packed_layout(segments[:2], 3)[2]
+
+
 def test_context_parallel_tiles_skip_what_a_document_cannot_see():
   """Tile by tile over 4 devices (tiles of 4 rows): equal to the masked whole-row attention, values and grads."""
   requires_devices(4)
@@ -191,9 +203,11 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
 
 @pytest.mark.gpu
 def test_cudnn_attends_within_documents():
-  """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention and its
-  context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and gradients,
-  against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it lies."""
+  """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention (the model's path:
+  each document a sequence of cuDNN's packed layout; and, for rows of more documents than its bound, the bias path)
+  and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
+  gradients, against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it
+  lies."""
   if jax.default_backend() != "gpu" or tile_kernels("auto", "gpu", jnp.bfloat16) is not CUDNN_TILES:
     pytest.skip("cuDNN attends on a GPU with cuDNN; run `pytest -m gpu` there")
   mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
@@ -203,8 +217,11 @@ def test_cudnn_attends_within_documents():
   scale = 128 ** -0.5
   paths = dict(
       cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
+      cudnn_more_documents_than_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2),
       cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
                                                     segment_ids_BS=segments))
+  assert packed_layout(segments, 16)[2] and not packed_layout(segments, 2)[2]
+  assert cudnn_documents.unavailable("gpu", q, k) is None  # so "cudnn" below is the packed layout
   as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
   ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: attention(q, k, v, scale, "xla", "gpu", segments)), *as_f32[:3])
   for name, f in paths.items():

@@ -1,0 +1,83 @@
+"""Packed documents on cuDNN flash attention without context parallelism: each document attended as its own sequence.
+
+Given the same-document mask, cuDNN (through `jax.nn.dot_product_attention`) adds it as a bias [B, 1, S, S] and runs
+its biased kernel, which takes twice the causal kernel's time (one H200, 16 × 4096, the 30B shape's heads: 33.1 ms
+against 15.9 forward and backward). Its packed layout instead takes each row's document offsets and lengths
+([B, M+1] and [B, M], M a static bound on the documents in a row), so each document is a causal sequence of its
+own and nothing a document cannot see is computed. A batch in which some row holds more than M documents takes the
+bias path (`lax.cond`), so the result is exact either way. One custom_vjp holds both branches: its residuals are
+q, k, v, the output and the softmax statistics ([B·M, Q, S] float32: the packed kernel's layout, the bias path's
+[B, Q, S] in its first B rows), never the bias. The packed layout is JAX's (internal) cuDNN wrapper's:
+`jax._src.cudnn.fused_attention_stablehlo`, Hopper or later; JAX before 0.11.1 strides grouped-query K/V by the
+query's heads there, so it is used only from 0.11.1 (or without grouped queries).
+
+Shape letters: see `relaymoe_jax`; M a row's documents.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from models import cudnn_attention
+from models.cudnn_attention import CUDNN_TILES, jax_cudnn
+from models.documents import packed_layout, same_document
+
+DOCUMENTS_PER_ROW = 16  # M: the packed kernels launch B·M sequences' tiles (empty ones exit at once)
+
+
+def unavailable(platform, q_BSQZ, k_BSJZ):
+  """Why the packed layout cannot attend these on `platform`'s devices, or None."""
+  reason = cudnn_attention.unavailable(platform, q_BSQZ.dtype)
+  if reason is None and not jax_cudnn.check_compute_capability("9.0"):
+    reason = "cuDNN's packed layout needs a Hopper or later GPU"
+  if reason is None and q_BSQZ.shape[2] != k_BSJZ.shape[2] and jax.__version_info__ < (0, 11, 1):
+    reason = f"JAX {jax.__version__} misplaces grouped-query K/V in cuDNN's packed layout (fixed in 0.11.1)"
+  return reason
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m=DOCUMENTS_PER_ROW):
+  """Causal attention within each document of `segment_ids_BS` (int [B, S], non-decreasing along each row)."""
+  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m)[0]
+
+
+def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m):
+  lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
+
+  def packed(q_BSQZ, k_BSJZ, v_BSJZ):
+    return jax_cudnn.dot_product_attention(
+        q_BSQZ, k_BSJZ, v_BSJZ, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
+        kv_offsets=offsets_BM1, scale=scale, mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+        return_residual=True)
+
+  def biased(q_BSQZ, k_BSJZ, v_BSJZ):
+    o_BSQZ, lse_BQS = CUDNN_TILES.forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale,
+                                              mask_BAW=same_document(segment_ids_BS))
+    return o_BSQZ, jnp.pad(lse_BQS, ((0, lse_BQS.shape[0] * (m - 1)), (0, 0), (0, 0)))
+
+  o_BSQZ, stats = jax.lax.cond(fits, packed, biased, q_BSQZ, k_BSJZ, v_BSJZ)
+  return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats)
+
+
+def _backward(scale, m, residuals, do_BSQZ):
+  q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats = residuals
+  lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
+
+  def packed(do_BSQZ):
+    unused = jnp.zeros(0, q_BSQZ.dtype)  # no bias, no page tables
+    grads = jax_cudnn._dot_product_attention_bwd_p_wrapper.bind(
+        q_BSQZ, k_BSJZ, v_BSJZ, unused, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, unused, unused, stats,
+        o_BSQZ, do_BSQZ.astype(q_BSQZ.dtype), scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, layout=jax_cudnn.AttentionLayout.BTNH.value,
+        sliding_window_length=None)
+    return tuple(grads[:3])
+
+  def biased(do_BSQZ):
+    return CUDNN_TILES.backward(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats[:q_BSQZ.shape[0]], do_BSQZ, causal=True,
+                                    scale=scale, mask_BAW=same_document(segment_ids_BS))
+
+  return (*jax.lax.cond(fits, packed, biased, do_BSQZ), None)
+
+
+documents_attention.defvjp(_forward, _backward)
