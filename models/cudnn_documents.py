@@ -1,20 +1,26 @@
 """Packed documents on cuDNN flash attention without context parallelism: each document attended as its own sequence.
 
 Given the same-document mask, cuDNN (through `jax.nn.dot_product_attention`) adds it as a bias [B, 1, S, S] and runs
-its biased kernel, which takes twice the causal kernel's time (one H200, 16 × 4096, the 30B shape's heads: 33.1 ms
-against 15.9 forward and backward). Its packed layout instead takes each row's document offsets and lengths
-([B, M+1] and [B, M], M a static bound on the documents in a row), so each document is a causal sequence of its
-own and nothing a document cannot see is computed. A batch in which some row holds more than M documents takes the
-bias path (`lax.cond`), so the result is exact either way. One custom_vjp holds both branches: its residuals are
+its biased kernel at half the causal kernel's speed. Its packed layout instead takes each row's document offsets and
+lengths ([B, M+1] and [B, M], M a static bound on the documents in a row), so each document is a causal sequence of
+its own and nothing a document cannot see is computed. A batch in which some row holds more than M documents takes
+the bias path (`lax.cond`), so the result is exact either way. One custom_vjp holds both branches: its residuals are
 q, k, v, the output and the softmax statistics ([B·M, Q, S] float32: the packed kernel's layout, the bias path's
-[B, Q, S] in its first B rows), never the bias. The packed layout is JAX's (internal) cuDNN wrapper's:
-`jax._src.cudnn.fused_attention_stablehlo`, Hopper or later; JAX before 0.11.1 strides grouped-query K/V by the
-query's heads there, so it is used only from 0.11.1 (or without grouped queries).
+[B, Q, S] in its first B rows), never the bias. One H200, the 30B shape's heads, 16 × 4096, documents of mean 1024
+tokens (7 at most in a row), forward and backward (`benchmarks.cp_attention`, `documents_attention.txt`): causal
+without documents 15.9 ms, bias 33.3, packed with M = 16 11.3, but cuDNN's packed backward takes float32 temporaries
+for every slot of every row a call holds: 32.3 GiB at M = 16 (2.0 without documents). `rows` bounds the rows a call
+holds (calls one after another, contiguous groups: one device's batch): a row at a time 16.1 ms and 2.3 GiB.
+
+The packed layout is JAX's (internal) cuDNN wrapper's: `jax._src.cudnn.fused_attention_stablehlo`, Hopper or later;
+JAX before 0.11.1 strides grouped-query K/V by the query's heads there, so it is used only from 0.11.1 (or without
+grouped queries).
 
 Shape letters: see `relaymoe_jax`; M a row's documents.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +29,7 @@ from models import cudnn_attention
 from models.cudnn_attention import CUDNN_TILES, jax_cudnn
 from models.documents import packed_layout, same_document
 
-DOCUMENTS_PER_ROW = 16  # M: the packed kernels launch B·M sequences' tiles (empty ones exit at once)
+DOCUMENTS_PER_ROW = 16  # M: a call launches its rows·M sequences' tiles (empty ones exit at once)
 
 
 def unavailable(platform, q_BSQZ, k_BSJZ):
@@ -36,16 +42,17 @@ def unavailable(platform, q_BSQZ, k_BSJZ):
   return reason
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m=DOCUMENTS_PER_ROW):
-  """Causal attention within each document of `segment_ids_BS` (int [B, S], non-decreasing along each row)."""
-  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m=DOCUMENTS_PER_ROW, rows=None):
+  """Causal attention within each document of `segment_ids_BS` (int [B, S], non-decreasing along each row);
+  `rows`: rows per packed cuDNN call, the calls one after another (None: all at once)."""
+  return _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows)[0]
 
 
-def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m):
+def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows):
   lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
-  def packed(q_BSQZ, k_BSJZ, v_BSJZ):
+  def packed(q_BSQZ, k_BSJZ, v_BSJZ, lengths_BM, offsets_BM1):
     return jax_cudnn.dot_product_attention(
         q_BSQZ, k_BSJZ, v_BSJZ, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
         kv_offsets=offsets_BM1, scale=scale, mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
@@ -53,18 +60,19 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m):
 
   def biased(q_BSQZ, k_BSJZ, v_BSJZ):
     o_BSQZ, lse_BQS = CUDNN_TILES.forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale,
-                                              mask_BAW=same_document(segment_ids_BS))
+                                          mask_BAW=same_document(segment_ids_BS))
     return o_BSQZ, jnp.pad(lse_BQS, ((0, lse_BQS.shape[0] * (m - 1)), (0, 0), (0, 0)))
 
-  o_BSQZ, stats = jax.lax.cond(fits, packed, biased, q_BSQZ, k_BSJZ, v_BSJZ)
+  o_BSQZ, stats = jax.lax.cond(fits, lambda *qkv: _in_groups(packed, rows, *qkv, lengths_BM, offsets_BM1), biased,
+                               q_BSQZ, k_BSJZ, v_BSJZ)
   return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats)
 
 
-def _backward(scale, m, residuals, do_BSQZ):
+def _backward(scale, m, rows, residuals, do_BSQZ):
   q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats = residuals
   lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
-  def packed(do_BSQZ):
+  def packed(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats, do_BSQZ, lengths_BM, offsets_BM1):
     unused = jnp.zeros(0, q_BSQZ.dtype)  # no bias, no page tables
     grads = jax_cudnn._dot_product_attention_bwd_p_wrapper.bind(
         q_BSQZ, k_BSJZ, v_BSJZ, unused, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, unused, unused, stats,
@@ -75,9 +83,22 @@ def _backward(scale, m, residuals, do_BSQZ):
 
   def biased(do_BSQZ):
     return CUDNN_TILES.backward(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats[:q_BSQZ.shape[0]], do_BSQZ, causal=True,
-                                    scale=scale, mask_BAW=same_document(segment_ids_BS))
+                                scale=scale, mask_BAW=same_document(segment_ids_BS))
 
-  return (*jax.lax.cond(fits, packed, biased, do_BSQZ), None)
+  grads = jax.lax.cond(fits, lambda do: _in_groups(packed, rows, q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats, do,
+                                                   lengths_BM, offsets_BM1), biased, do_BSQZ)
+  return (*grads, None)
+
+
+def _in_groups(f, rows, *arrays):
+  """f over groups of `rows` of the B rows (each array's leading axis: B, or B·M for the statistics), one group after
+  another, its outputs' groups joined again: the packed kernels' workspaces scale with the rows of one call."""
+  b = arrays[0].shape[0]
+  groups = b // math.gcd(b, rows or b)
+  if groups == 1:
+    return f(*arrays)
+  out = jax.lax.map(lambda xs: f(*xs), [a.reshape(groups, -1, *a.shape[1:]) for a in arrays])
+  return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:]), out)
 
 
 documents_attention.defvjp(_forward, _backward)

@@ -204,7 +204,8 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
 @pytest.mark.gpu
 def test_cudnn_attends_within_documents():
   """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention (the model's path:
-  each document a sequence of cuDNN's packed layout; and, for rows of more documents than its bound, the bias path)
+  each document a sequence of cuDNN's packed layout, all rows at once or row by row; and, for rows of more documents
+  than its bound, the bias path)
   and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
   gradients, against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it
   lies."""
@@ -218,6 +219,7 @@ def test_cudnn_attends_within_documents():
   paths = dict(
       cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
       cudnn_more_documents_than_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2),
+      cudnn_packed_row_by_row=lambda q, k, v: documents_attention(q, k, v, segments, scale, 16, 1),
       cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
                                                     segment_ids_BS=segments))
   assert packed_layout(segments, 16)[2] and not packed_layout(segments, 2)[2]
