@@ -8,7 +8,8 @@ tabulates the first device's kernel time per step by part: LM head and loss, att
 other, dense projections, norms/RoPE/other, optimizer, copies, communication, and idle (the step's wall time less
 the time any kernel ran), with tokens/s and MFU as the trainer computes them. Parts come from the name scopes in
 the HLO's op metadata (`train.step_parts`). Writes JSON (the table beside it, and each part's costliest HLO ops) to
-benchmarks/results/train_step_CONFIG_BxS.json; the last line is `summary: train_step CONFIG BxS mfu=... head_ms=...`.
+benchmarks/results/train_step_NAME_BxS.json, NAME the config's and the dispatcher's unless it is the expert ring
+(`ep8`, `ep8_a2a`); the last line is `summary: train_step NAME BxS mfu=... head_ms=...`.
 """
 
 import argparse
@@ -44,6 +45,12 @@ def profile(config, warmup, steps, overrides, run_dir):
   return json.loads(parts.read_text()), json.loads((run / "run_config.json").read_text())
 
 
+def run_name(config, dispatcher):
+  """The config's name, and the dispatcher's unless it is the expert ring: ep8, ep8_a2a (all-to-all), ep8_ring_token."""
+  tag = {"ring_expert": "", "all_to_all": "_a2a"}.get(dispatcher, f"_{dispatcher}")
+  return os.path.splitext(os.path.basename(config))[0] + tag
+
+
 def summary(name, shape, result):
   parts = result["parts"]
   mfu = "nan" if result["mfu"] is None else f"{result['mfu']:.3f}"
@@ -58,7 +65,7 @@ def main(argv=None):
   args = _parse(argv)
   with tempfile.TemporaryDirectory() as scratch:
     result, run = profile(args.config, args.warmup, args.steps, args.overrides, args.run_dir or scratch)
-  name = os.path.splitext(os.path.basename(args.config))[0]
+  name = run_name(args.config, run["run"]["runtime"]["dispatcher"])
   shape = f"{run['run']['batch_size']}x{run['run']['seq_len']}"
   path = args.out or os.path.join(harness.RESULTS, f"train_step_{name}_{shape}.json")
   meta = dict(harness.machine(jax), command=harness.command_line("train_step", argv), config=args.config,

@@ -269,6 +269,12 @@ def test_train_step_benchmark_writes_its_table_and_summary(tmp_path, capsys):
   assert path.with_suffix(".txt").read_text().strip().endswith(last)
 
 
+def test_train_step_results_are_named_by_config_and_dispatcher():
+  assert train_step.run_name("ep8", "ring_expert") == "ep8"
+  assert train_step.run_name("configs/runs/ep8.yaml", "all_to_all") == "ep8_a2a"
+  assert train_step.run_name("ep8", "ring_token") == "ep8_ring_token"
+
+
 @pytest.mark.gpu
 def test_a_gpu_trace_maps_every_kernel_to_the_step_hlo(tmp_path):
   """On one GPU: every kernel of the step found in its HLO (the trace's hlo_op), each model part present."""
