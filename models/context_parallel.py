@@ -31,11 +31,15 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.errors import UserError
 
+# checkpoint_name of what an attention kernel's backward needs besides q, k and v (the output and its row
+# logsumexp): the `all_but_attention` remat keeps them, so backward recomputes the layer but not its attention.
+KERNEL_OUTPUTS = "attention_kernel_outputs"
 DEFAULT_TILE = 512  # rows of a query or key tile: a tile's float32 scores are heads × 512 × 512 × 4 bytes
 MIN_TILE = 64  # below this a long sequence's tile loop is all overhead
 
@@ -291,7 +295,7 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels):
     return _put_rows(o_BSQZ, acc.astype(o_BSQZ.dtype), t), _put_rows(lse_BQS, lse, t, axis=2)
 
   outputs = (jnp.zeros_like(q_BSQZ), jnp.zeros((q_BSQZ.shape[0], q_BSQZ.shape[2], rows), jnp.float32))
-  o_BSQZ, lse_BQS = jax.lax.fori_loop(0, rows // tile, one_query_tile, outputs)
+  o_BSQZ, lse_BQS = checkpoint_name(jax.lax.fori_loop(0, rows // tile, one_query_tile, outputs), KERNEL_OUTPUTS)
   return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, o_BSQZ, lse_BQS)
 
 

@@ -58,6 +58,12 @@ def _backward(q_BAQZ, k_BWJZ, v_BWJZ, o_BAQZ, lse_BQA, do_BAQZ, *, causal, scale
 CUDNN_TILES = TileKernels(name="cudnn", forward=_forward, backward=_backward, tile=TILE)
 
 
+def keeps_kernel_outputs(prim, *_, **__):
+  """A remat policy: save what cuDNN's attention forward returns, the output and its softmax statistics (inside
+  `jax.nn.dot_product_attention`, whose residuals cannot be named as `KERNEL_OUTPUTS`)."""
+  return jax_cudnn is not None and prim is getattr(jax_cudnn, "_dot_product_attention_fwd_p_wrapper", None)
+
+
 def unavailable(platform, dtype):
   """Why cuDNN tiles cannot attend here, or None."""
   if platform != "gpu":

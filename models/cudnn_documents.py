@@ -24,8 +24,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from models import cudnn_attention
+from models.context_parallel import KERNEL_OUTPUTS
 from models.cudnn_attention import CUDNN_TILES, jax_cudnn
 from models.documents import packed_layout, same_document
 
@@ -63,8 +65,9 @@ def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows):
                                           mask_BAW=same_document(segment_ids_BS))
     return o_BSQZ, jnp.pad(lse_BQS, ((0, lse_BQS.shape[0] * (m - 1)), (0, 0), (0, 0)))
 
-  o_BSQZ, stats = jax.lax.cond(fits, lambda *qkv: _in_groups(packed, rows, *qkv, lengths_BM, offsets_BM1), biased,
-                               q_BSQZ, k_BSJZ, v_BSJZ)
+  o_BSQZ, stats = checkpoint_name(jax.lax.cond(
+      fits, lambda *qkv: _in_groups(packed, rows, *qkv, lengths_BM, offsets_BM1), biased, q_BSQZ, k_BSJZ, v_BSJZ),
+      KERNEL_OUTPUTS)
   return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats)
 
 

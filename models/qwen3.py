@@ -28,12 +28,11 @@ from models.context_parallel import (check_sequence, context_attention, flatten_
 from models.cudnn_attention import tile_kernels
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
+from models.remat import LAYER_INPUT, remat_policy
 from models.router_state import bias_value, router_bias, router_losses
 from models.sharding import (TOKEN_AXES, activation_spec, batch_axes, make_param, model_mesh, runs_on_model_mesh,
                              sequence_axis)
 from relaymoe_jax.axes import EXPERT, TENSOR
-
-LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
 
 
 class _Layer(nnx.Module):
@@ -198,8 +197,8 @@ class DecoderLayer(_Layer):
 
   def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     policy = self.runtime.remat_of(self.layer)
-    if policy in ("layer", "offload"):
-      return nnx.remat(_layer_forward, policy=_remat_policy(policy))(self, x_BSD, positions_BS, segment_ids_BS)
+    if policy in ("layer", "offload", "all_but_attention"):
+      return nnx.remat(_layer_forward, policy=remat_policy(policy))(self, x_BSD, positions_BS, segment_ids_BS)
     return self.forward(x_BSD, positions_BS, segment_ids_BS, remat_attention=policy == "attention")
 
   def forward(self, x_BSD, positions_BS, segment_ids_BS=None, remat_attention=False):
@@ -219,16 +218,6 @@ def _layer_forward(layer, x_BSD, positions_BS, segment_ids_BS):
 
 def _attend(attn, x_BSD, positions_BS, segment_ids_BS):
   return attn(x_BSD, positions_BS, segment_ids_BS)
-
-
-def _remat_policy(policy):
-  """`layer`: save nothing (the remat keeps only its inputs); `offload`: the layer input, named, goes to the host,
-  so neither the remat nor a surrounding scan keeps it on the device."""
-  if policy == "offload":
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], offload_src="device",
-        offload_dst="pinned_host")
-  return jax.checkpoint_policies.nothing_saveable
 
 
 STACKED = "stacked"  # LayerStack's attribute: parameters below it carry a leading layer axis

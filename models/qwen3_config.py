@@ -13,7 +13,7 @@ from relaymoe_jax.errors import UserError
 #   attention  attention is recomputed (its inputs are kept); the MoE keeps its residuals (x, pair plan);
 #   layer      only the layer's input is kept; backward reruns the whole layer's forward (the ring included);
 #   offload    as `layer`, with that input kept in host memory (`pinned_host`) instead of on the device.
-REMAT_POLICIES = ("none", "attention", "layer", "offload")
+REMAT_POLICIES = ("none", "attention", "all_but_attention", "layer", "offload")
 REMAT_AUTO = "auto"  # a run's request for the planner (`train.plan`), resolved before the model is built
 LOSS_CHUNK_AUTO = "auto"  # the trainer's choice (`train.loss_chunk`); elsewhere the default below
 DEFAULT_LOSS_CHUNK_TOKENS = 1024

@@ -1,8 +1,9 @@
 """Every path that runs on a Hopper GPU, run on one (`pytest -m gpu`): each dispatcher's forward and gradients on
 the Mosaic kernels against `xla`, at a row count below both kernels' switch-overs (JAX's
 `ragged_dot` and `transposed_ragged_dot` kernels run) and one at or above both (ours run), inside shard_map on a
-1-device mesh with `data` and `expert` axes, where a kernel's output comes back typed invariant; and one train step
-of a small model per dispatcher, with and without context parallelism, against the dense dispatcher's.
+1-device mesh with `data` and `expert` axes, where a kernel's output comes back typed invariant; one train step
+of a small model per dispatcher, with and without context parallelism, against the dense dispatcher's; and the
+`all_but_attention` remat keeping cuDNN's attention forward.
 
 Tolerances (max |a − b| / max |b|): bf16 layers against each other ≤ 3e-2 (each is ~1e-2 from exact); a train
 step's loss ≤ 1e-2 and its gradient norm ≤ 5e-2 of the dense dispatcher's, in bf16.
@@ -105,20 +106,41 @@ def _small_model():
                              moe_intermediate_size=D_FF, head_dim=64, num_hidden_layers=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _one_step(dispatcher, options, context_parallel):
-  """(loss, grad_norm) of the first train step on a fixed batch of 4 × 512 tokens, bf16, on the trainer's mesh of
-  one device."""
+def _first_step(dispatcher, options, context_parallel, remat="none"):
+  """The jitted train step and its first state and batch (4 × 512 tokens, bf16) on the trainer's mesh of one
+  device."""
   model_config = _small_model()
-  runtime = RuntimeConfig(dispatcher=dispatcher, dispatcher_options=options, context_parallel=context_parallel)
+  runtime = RuntimeConfig(dispatcher=dispatcher, dispatcher_options=options, context_parallel=context_parallel,
+                          remat=remat)
   mesh = build_mesh(MeshConfig(data=1, expert=1, tensor=1), jax.devices()[:1])
   graphdef, params = nnx.split(qwen3.create_sharded(model_config, mesh, runtime=runtime))
   params = nnx.to_pure_dict(params)
   optimizer, schedule = make_optimizer(OptimConfig(), 10)
   tokens = global_batch({"tokens": SyntheticLanguage(model_config.vocab_size, 4, 0).batch(0, 4, 512)}, mesh, runtime)
   step = jax.jit(make_train_step(graphdef, optimizer, schedule, model_config))
-  _, metrics = step(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), tokens)
+  return step, TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _one_step(dispatcher, options, context_parallel, remat="none"):
+  """(loss, grad_norm) of the first train step."""
+  step, state, tokens = _first_step(dispatcher, options, context_parallel, remat)
+  _, metrics = step(state, tokens)
   return float(metrics["loss"]), float(metrics["grad_norm"])
+
+
+def test_all_but_attention_keeps_cudnns_attention_forward():
+  """`all_but_attention` saves what cuDNN's attention forward made: the compiled step runs that kernel once (where
+  `layer` runs it again in backward), and the step computes what keeping everything does."""
+  def kernels(remat):
+    step, state, tokens = _first_step("ring_expert", (), False, remat)
+    hlo = step.lower(state, tokens).compile().as_text()
+    return [hlo.count(f'custom_call_target="__cudnn$fmhaSoftmax{kind}"') for kind in ("", "Backward")]
+
+  assert kernels("layer") == [2, 1] and kernels("all_but_attention") == [1, 1]
+  loss, grad_norm = _one_step("ring_expert", (), False, "all_but_attention")
+  loss_ref, grad_norm_ref = _one_step("ring_expert", (), False)
+  assert abs(loss - loss_ref) <= 1e-3 * loss_ref and abs(grad_norm - grad_norm_ref) <= 1e-2 * grad_norm_ref
 
 
 @pytest.mark.parametrize("context_parallel", [False, True], ids=["plain", "context_parallel"])

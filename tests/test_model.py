@@ -1,8 +1,10 @@
 """The Qwen3-MoE model: its pieces against NumPy transcriptions of Hugging Face's math, and the whole model under
 every dispatcher against the dense oracle (loss and all gradients)."""
 
+import contextlib
 import dataclasses
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +152,8 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   MoE and dense layers under every remat policy. (The dispatchers inside a scan: the tests above, whose tiny model is one
   stretch of two MoE layers.)"""
   config = load_config("tiny", num_hidden_layers=5, mlp_only_layers=[2, 3])
-  runtime = dataclasses.replace(F32, dispatcher="dense", remat=("layer", "attention", "none", "none", "offload"),
+  runtime = dataclasses.replace(F32, dispatcher="dense", remat=("layer", "attention", "none", "all_but_attention",
+                                                                "offload"),
                                 scan_layers=False)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (8, 17)), jnp.int32)
   params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
@@ -167,6 +170,45 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   ref_flat = jax.tree_util.tree_leaves_with_path(expected)
   assert [p for p, _ in flat] == [p for p, _ in ref_flat]
   for (path, g), (_, r) in zip(flat, ref_flat):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
+
+
+def _saved_residuals(config, runtime, mesh, tokens, params):
+  graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
+  nnx.replace_by_pure_dict(state, params)
+  lines = io.StringIO()
+  with contextlib.redirect_stdout(lines):
+    jax.ad_checkpoint.print_saved_residuals(lambda p: nnx.merge(graphdef, p)(tokens).mean(), state)
+  return lines.getvalue().splitlines()
+
+
+def test_all_but_attention_keeps_only_what_the_attention_kernel_made(mesh):
+  """Context-parallel attention's output and logsumexp stay for backward under `all_but_attention` (one of each per
+  layer) and under `layer` do not; q, k and v ([B, S, Q, Z] too) are recomputed under both. (cuDNN's own attention
+  is kept by its primitive: `pytest -m gpu`.)"""
+  config = load_config("tiny", num_hidden_layers=2)
+  runtime = dataclasses.replace(F32, context_parallel=True, scan_layers=False)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (8, 32)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  output = f"f32[8,32,{config.num_attention_heads},{config.head_dim}]"
+  kept = {policy: _saved_residuals(config, dataclasses.replace(runtime, remat=policy), mesh, tokens, params)
+          for policy in ("layer", "all_but_attention")}
+  assert sum(line.startswith(output) for line in kept["all_but_attention"]) == 2
+  assert not any(line.startswith(output) for line in kept["layer"])
+  assert len(kept["all_but_attention"]) == len(kept["layer"]) + 4  # and a logsumexp per layer
+
+
+@pytest.mark.slow  # compiles the model twice (~25 s on 2 cores)
+def test_all_but_attention_computes_what_keeping_everything_does(mesh):
+  """Context parallelism, where the kept outputs feed attention's own backward: loss and gradients (float32)."""
+  config = load_config("tiny", num_hidden_layers=2)
+  runtime = dataclasses.replace(F32, context_parallel=True, scan_layers=False)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (8, 33)), jnp.int32)
+  params = nnx.to_pure_dict(nnx.state(qwen3.create_sharded(config, mesh, seed=0, runtime=runtime)))
+  ref_value, ref = _loss_and_grads(config, runtime, mesh, tokens, params)
+  value, grads = _loss_and_grads(config, dataclasses.replace(runtime, remat="all_but_attention"), mesh, tokens, params)
+  assert abs(float(value) - float(ref_value)) <= 1e-6 * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
