@@ -52,6 +52,8 @@ def documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m=DOCUMEN
 
 
 def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows):
+  if m < 2:  # JAX's wrapper takes a bound of one for no packing at all
+    raise ValueError(f"documents_attention: m={m} documents a row; the packed layout needs at least 2")
   lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
   def packed(q_BSQZ, k_BSJZ, v_BSJZ, lengths_BM, offsets_BM1):
