@@ -34,6 +34,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from models.documents import same_document
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.errors import UserError
 
@@ -247,8 +248,7 @@ class _Segments(NamedTuple):
   all_BS: jax.Array
 
   def diagonal_mask(self, t, tile):
-    own_BA = _rows(self.own_BS, t, tile)
-    return own_BA[:, :, None] == own_BA[:, None, :]
+    return same_document(_rows(self.own_BS, t, tile))
 
   def mask(self, t, w, tile, ring):
     return _rows(self.own_BS, t, tile)[:, :, None] == _key_rows(self.all_BS, w, tile, ring)[:, None, :]

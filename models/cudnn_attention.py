@@ -39,8 +39,8 @@ def _bias(mask_BAW, dtype):
 
 def _forward(q_BAQZ, k_BWJZ, v_BWJZ, *, causal, scale, mask_BAW=None):
   o_BAQZ, lse_BQA = jax_cudnn.dot_product_attention(q_BAQZ, k_BWJZ, v_BWJZ, _bias(mask_BAW, q_BAQZ.dtype),
-                                                 scale=scale, mask_type=_mask(causal), qkv_layout="BTNH",
-                                                 return_residual=True)
+                                                    scale=scale, mask_type=_mask(causal), qkv_layout="BTNH",
+                                                    return_residual=True)
   return o_BAQZ, lse_BQA
 
 

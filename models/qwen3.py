@@ -22,10 +22,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
 from models.attention import attention
-from models.documents import segment_positions
 from models.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.cudnn_attention import tile_kernels
+from models.documents import segment_positions
 from models.loss import chunked_cross_entropy, mean_cross_entropy
 from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, layer_groups
 from models.remat import LAYER_INPUT, remat_policy

@@ -11,6 +11,8 @@ from relaymoe_jax.errors import UserError
 # What a layer's backward recomputes, from the most memory to the least:
 #   none       every activation the layer's backward needs is kept from the forward;
 #   attention  attention is recomputed (its inputs are kept); the MoE keeps its residuals (x, pair plan);
+#   all_but_attention  as `layer`, but the attention kernel's output and softmax statistics are kept too, so
+#              backward reruns the layer's forward but not its attention kernel (`models/remat.py`);
 #   layer      only the layer's input is kept; backward reruns the whole layer's forward (the ring included);
 #   offload    as `layer`, with that input kept in host memory (`pinned_host`) instead of on the device.
 REMAT_POLICIES = ("none", "attention", "all_but_attention", "layer", "offload")
