@@ -3,7 +3,7 @@
     python -m benchmarks.cp_attention [--tokens 65536,262144] [--variants cudnn_whole,cudnn_tiles,xla_tiles]
                                       [--xla-max-tokens 65536] [--out benchmarks/results/cp_attention.json]
     python -m benchmarks.cp_attention --batch 16 --tokens 4096 --mean-doc 1024 \
-        --variants cudnn_whole,cudnn_documents,cudnn_documents_bias [--documents-per-row 16] [--rows-per-call 0] \
+        --variants cudnn_whole,cudnn_documents,cudnn_documents_bias [--documents-per-row 16] [--rows-per-call auto,0] \
         --out benchmarks/results/documents_attention.json
 
 Under context parallelism over N devices a device attends its two chunks to their causal prefix tile pair by tile
@@ -16,7 +16,8 @@ heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward an
   xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
   cudnn_documents  with --mean-doc: each row packed documents (exponential lengths of that mean) that do not see
                each other, on the model's path without CP (`models.cudnn_documents`: cuDNN's packed layout, at
-               most --documents-per-row documents a row, else the bias path; --rows-per-call rows a call, 0: all);
+               most --documents-per-row documents a row, else the bias path; --rows-per-call rows a call, 0: all,
+               auto: the model's choice, `rows_per_call`);
   cudnn_documents_bias  the same documents, their mask passed to `jax.nn.dot_product_attention` (a bias for cuDNN);
                the documents' TFLOP/s count every causal pair, the masked ones too.
 TFLOP/s count the causal pairs only (forward 4·S²/2·heads·head_dim, forward+backward 3.5× that); temporaries are
@@ -38,7 +39,7 @@ from benchmarks import harness
 from models.attention import attention
 from models.context_parallel import XLA_TILES, context_attention
 from models.cudnn_attention import CUDNN_TILES
-from models.cudnn_documents import DOCUMENTS_PER_ROW, documents_attention
+from models.cudnn_documents import DOCUMENTS_PER_ROW, documents_attention, rows_per_call
 from models.documents import same_document
 from models.sharding import MESH_AXES
 
@@ -143,8 +144,9 @@ def main(argv=None):
   parser.add_argument("--mean-doc", type=int, default=0, help="packed documents of this mean length (0: one)")
   parser.add_argument("--documents-per-row", default=str(DOCUMENTS_PER_ROW),
                       help="cudnn_documents' bound M on a row's documents, one row of the table per value")
-  parser.add_argument("--rows-per-call", default="0",
-                      help="cudnn_documents' rows per packed cuDNN call (0: all), one row of the table per value")
+  parser.add_argument("--rows-per-call", default="auto",
+                      help="cudnn_documents' rows per packed cuDNN call (0: all; auto: as the model), one row of the "
+                           "table per value")
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "cp_attention.json"))
   args = parser.parse_args(argv)
   rows = []
@@ -155,6 +157,9 @@ def main(argv=None):
       packed = variant == "cudnn_documents"
       for m in (args.documents_per_row.split(",") if packed else [DOCUMENTS_PER_ROW]):
         for per_call in (args.rows_per_call.split(",") if packed else ["0"]):
+          if per_call == "auto":
+            per_call = rows_per_call(jax.ShapeDtypeStruct((args.batch, tokens, QUERY_HEADS, HEAD_DIM), jnp.bfloat16),
+                                     int(m))
           rows.append(measure(variant, tokens, args.tile, args.iters, args.batch, args.mean_doc, int(m),
                               int(per_call) or None))
           print(rows[-1], flush=True)

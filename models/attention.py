@@ -19,10 +19,12 @@ from models import cudnn_documents
 from models.documents import same_document
 
 
-def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_ids_BS=None):
+def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_ids_BS=None, mesh=None,
+              batch_axes=()):
   """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation), or
   cuDNN's packed documents; `platform`: that of the devices it runs on, for "auto"; `segment_ids_BS`: a query sees
-  only keys of its own segment (None: the whole row)."""
+  only keys of its own segment (None: the whole row); `mesh`, `batch_axes`: where the rows are split, so that
+  cuDNN's packed calls are sized by one device's rows (None: on one device)."""
   mask = None if segment_ids_BS is None else same_document(segment_ids_BS)[:, None]
   public = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, mask=mask, scale=scale,
                              is_causal=True)
@@ -30,7 +32,10 @@ def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_i
       platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16))):
     return public(implementation="xla")
   if segment_ids_BS is not None and cudnn_documents.unavailable(platform, q_BSQZ, k_BSJZ) is None:
-    attend = functools.partial(cudnn_documents.documents_attention, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale)
+    attend = (functools.partial(cudnn_documents.documents_attention, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
+                                cudnn_documents.DOCUMENTS_PER_ROW, cudnn_documents.rows_per_call(q_BSQZ)) if mesh is None else
+              functools.partial(cudnn_documents.documents_attention_on, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
+                                mesh, batch_axes))
   else:
     attend = functools.partial(public, implementation="cudnn")
   if implementation == "cudnn":

@@ -10,7 +10,8 @@ q, k, v, the output and the softmax statistics ([B·M, Q, S] float32: the packed
 tokens (7 at most in a row), forward and backward (`benchmarks.cp_attention`, `documents_attention.txt`): causal
 without documents 15.9 ms, bias 33.3, packed with M = 16 11.3, but cuDNN's packed backward takes float32 temporaries
 for every slot of every row a call holds: 32.3 GiB at M = 16 (2.0 without documents). `rows` bounds the rows a call
-holds (calls one after another, contiguous groups: one device's batch): a row at a time 16.1 ms and 2.3 GiB.
+holds (calls one after another, contiguous groups of one device's rows): a row at a time 16.1 ms and 2.3 GiB.
+`documents_attention_on` runs it on each device's rows of a mesh, as many a call as `rows_per_call` allows.
 
 The packed layout is JAX's (internal) cuDNN wrapper's: `jax._src.cudnn.fused_attention_stablehlo`, Hopper or later;
 JAX before 0.11.1 strides grouped-query K/V by the query's heads there, so it is used only from 0.11.1 (or without
@@ -25,13 +26,38 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from models import cudnn_attention
 from models.context_parallel import KERNEL_OUTPUTS
 from models.cudnn_attention import CUDNN_TILES, jax_cudnn
 from models.documents import packed_layout, same_document
+from relaymoe_jax.axes import TENSOR
 
 DOCUMENTS_PER_ROW = 16  # M: a call launches its rows·M sequences' tiles (empty ones exit at once)
+CALL_TEMPORARY_BYTES = 2 << 30  # the most float32 temporaries one packed backward call may take
+
+
+def rows_per_call(q_BSQZ, m=DOCUMENTS_PER_ROW, budget=CALL_TEMPORARY_BYTES):
+  """The most of q's rows (a divisor of B, at least 1) one packed call may hold: cuDNN's backward takes two float32
+  [S, Q, Z] temporaries for each of a call's rows·M slots (measured on an H200: 32.3 GiB for 16 rows of 4096 at
+  M = 16 with 32 heads of 128, 2.3 a row)."""
+  b, s, heads, z = q_BSQZ.shape
+  fit = max(1, budget // (2 * m * s * heads * z * 4))
+  return max(d for d in range(1, min(b, fit) + 1) if b % d == 0)
+
+
+def documents_attention_on(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, mesh, batch_axes, m=DOCUMENTS_PER_ROW):
+  """`documents_attention` on each device's rows of `mesh` (B split over `batch_axes`, the heads over 'tensor' where
+  they divide over it), each device's packed calls holding `rows_per_call` of its rows."""
+  heads = TENSOR if TENSOR in mesh.shape and k_BSJZ.shape[2] % mesh.shape[TENSOR] == 0 else None
+  spec, segments_spec = P(batch_axes, None, heads, None), P(batch_axes, None)
+
+  def local(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS):
+    return documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows_per_call(q_BSQZ, m))
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, segments_spec), out_specs=spec,
+                       check_vma=False)(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
 
 
 def unavailable(platform, q_BSQZ, k_BSJZ):

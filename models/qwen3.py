@@ -119,7 +119,7 @@ class Attention(_Layer):
                                 segment_ids_BS=segment_ids_BS)
       else:
         out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform,
-                        segment_ids_BS)
+                        segment_ids_BS, self.mesh, batch_axes(self.runtime))
     with jax.named_scope("projection"):
       return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 

@@ -21,7 +21,7 @@ from models import qwen3
 from models.attention import attention
 from models.cudnn_attention import CUDNN_TILES, tile_kernels
 from models import cudnn_documents
-from models.cudnn_documents import documents_attention
+from models.cudnn_documents import documents_attention, documents_attention_on, rows_per_call
 from models.documents import packed_layout
 from models.context_parallel import XLA_TILES, balanced_order, context_attention
 from models.qwen3_config import RuntimeConfig, load_config
@@ -133,6 +133,16 @@ def test_packed_layout_lists_each_rows_documents_and_whether_they_fit():
   assert packed_layout(segments[:2], 4)[2] and not packed_layout(segments[:2], 3)[2]
 
 
+def test_packed_calls_hold_as_many_rows_as_their_temporaries_allow():
+  """cuDNN's packed backward takes 2·M·S·Q·Z float32 bytes a row: 2 GiB a row of the 30B shape's 4096 tokens."""
+  def rows(batch, tokens, heads=32, m=16, budget=2 << 30):
+    return rows_per_call(jax.ShapeDtypeStruct((batch, tokens, heads, 128), jnp.bfloat16), m, budget)
+
+  assert rows(16, 4096) == 1 and rows(16, 4096, budget=8 << 30) == 4 and rows(16, 4096, m=8, budget=4 << 30) == 4
+  assert rows(16, 1024) == 4 and rows(16, 256) == 16 and rows(16, 65536) == 1
+  assert rows(12, 1024, budget=5 << 29) == 4  # a divisor of the rows, not the most that fit (5)
+
+
 def test_context_parallel_tiles_skip_what_a_document_cannot_see():
   """Tile by tile over 4 devices (tiles of 4 rows): equal to the masked whole-row attention, values and grads."""
   requires_devices(4)
@@ -204,8 +214,8 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
 @pytest.mark.gpu
 def test_cudnn_attends_within_documents():
   """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention (the model's path:
-  each document a sequence of cuDNN's packed layout, all rows at once or row by row; and, for rows of more documents
-  than its bound, the bias path)
+  each document a sequence of cuDNN's packed layout, all rows at once, row by row or each device's rows of a mesh;
+  and, for rows of more documents than its bound, the bias path)
   and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
   gradients, against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it
   lies."""
@@ -220,6 +230,7 @@ def test_cudnn_attends_within_documents():
       cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
       cudnn_more_documents_than_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2),
       cudnn_packed_row_by_row=lambda q, k, v: documents_attention(q, k, v, segments, scale, 16, 1),
+      cudnn_packed_on_mesh=lambda q, k, v: documents_attention_on(q, k, v, segments, scale, mesh, ("data", "expert")),
       cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
                                                     segment_ids_BS=segments))
   assert packed_layout(segments, 16)[2] and not packed_layout(segments, 2)[2]
