@@ -208,6 +208,26 @@ def test_offload_is_estimated_from_layer_and_compiled_only_where_a_plan_relies_o
   assert tight.total_bytes in [total for _, total in tight.compiles], "the plan's bytes are a compile's"
 
 
+@pytest.mark.parametrize("seq_len, bought", [(128, "attention"), (1 << 20, "all_but_attention")])
+def test_on_gpus_the_attention_kernels_outputs_are_kept_where_its_scores_dominate_the_recompute(monkeypatch, seq_len,
+                                                                                             bought):
+  """On GPUs the planner may keep what cuDNN's attention made and recompute the rest of the layer
+  (`all_but_attention`): a few GiB a layer that save the attention kernel's rerun, the most of a long sequence's
+  recompute. Given the uniform steps' bytes of the 30B shape at 1 × 393216 on one H200 (XLA's buffer assignment,
+  keeping gate/up), at a budget where `attention` fits in every layer, the tiny model's greedy plan buys it at a
+  short sequence and `all_but_attention` at a long one. Elsewhere it is not offered."""
+  assert "all_but_attention" not in planning.policies()
+  monkeypatch.setattr(planning, "policies", lambda devices=None: planning.FRUGAL_FIRST[1:])
+  planner = planner_with(151 * GIB, dataclasses.replace(BASE, seq_len=seq_len))
+  layers = model_config_for(BASE).num_hidden_layers
+  uniform = {p: {"total_bytes": gib * GIB} for p, gib in
+             dict(layer=118.3, all_but_attention=127.2, attention=150.2, none=230.8).items()}
+  assert planner._greedy(uniform, layers, {}) == (bought,) * layers
+  seconds = planner._recompute_seconds({})
+  assert seconds["none"] < seconds["attention"] < seconds["layer"]
+  assert 0 < seconds["all_but_attention"] < seconds["layer"]
+
+
 @pytest.mark.slow  # the default run reached 10.9 min on 2 cores; CI's second step runs it
 def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_run(uniform, monkeypatch):
   """On GPUs the uniform steps are compiled without XLA's autotuner (their buffers do not depend on it) and not

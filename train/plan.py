@@ -33,7 +33,7 @@ from train.mesh import build_mesh, token_shards
 from train.plan_record import Plan
 from train.metrics import peak_tflops, size
 from train.sources import model_config_for
-from train.step import layer_forward_flops
+from train.step import layer_forward_flops, score_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
 # A ring's largest chunk when memory is short. By default a hop runs its whole share of pairs (T·K/N rows) as one
@@ -43,7 +43,7 @@ HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200
 FRUGAL_CHUNK_ROWS = 131072
 RINGS = ("ring_expert", "ring_token", "auto")
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
-FRUGAL_FIRST = ("offload", "layer", "attention", "none")
+FRUGAL_FIRST = ("offload", "layer", "all_but_attention", "attention", "none")
 
 
 def concurrent_compiles(devices=None):
@@ -67,8 +67,12 @@ def offload_supported(devices=None):
 
 
 def policies(devices=None):
-  """The choices the planner considers for these devices (default this process's), cheapest memory first."""
-  return FRUGAL_FIRST if offload_supported(devices) else FRUGAL_FIRST[1:]
+  """The choices the planner considers for these devices (default this process's), cheapest memory first: `offload`
+  where it saves device memory, `all_but_attention` on GPUs, whose attention is a kernel (cuDNN's) with outputs to
+  keep; elsewhere XLA's attention would keep its score matrices, `none`'s memory for `layer`'s time."""
+  gpu = (devices or jax.local_devices())[0].platform == "gpu"
+  return tuple(p for p in FRUGAL_FIRST if (p != "offload" or offload_supported(devices))
+               and (p != "all_but_attention" or gpu))
 
 
 def with_remat(run_config, remat, max_chunk_rows=None, keep_gate_up=False):
@@ -285,6 +289,7 @@ class Planner:
     peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
     recompute_layer = tokens * (attention + mlp) / peak
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
+            "all_but_attention": recompute_layer - tokens * score_flops(c, run.seq_len) / peak,
             "offload": recompute_layer + 2 * self._layer_input_bytes(changes) / HOST_LINK_BYTES_PER_S}
 
   def _result(self, remat, plan, changes, keep_gate_up=False):

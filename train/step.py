@@ -114,11 +114,17 @@ def layer_forward_flops(c, seq_len, layer):
   router and top-k experts (plus the shared expert) on MoE layers, the dense SwiGLU elsewhere."""
   attn_dims = c.num_attention_heads * c.head_dim
   kv_dims = c.num_key_value_heads * c.head_dim
-  attention = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + 2 * seq_len * attn_dims
+  attention = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + score_flops(c, seq_len)
   if c.is_sparse(layer):
     return attention, (2 * c.hidden_size * c.num_experts + c.num_experts_per_tok * 6 * c.hidden_size
                        * c.moe_intermediate_size + 6 * c.hidden_size * c.shared_expert_intermediate_size)
   return attention, 6 * c.hidden_size * c.intermediate_size
+
+
+def score_flops(c, seq_len):
+  """Causal attention's forward FLOPs per token of one layer (scores and their weighted sum over half a sequence on
+  average): what the attention kernel computes."""
+  return 2 * seq_len * c.num_attention_heads * c.head_dim
 
 
 def model_flops_per_token(c, seq_len):
