@@ -1,6 +1,7 @@
 """Where the training step's time goes: the trainer's step, profiled, its device time tabulated by part of the model.
 
-    python -m benchmarks.train_step --config NAME|FILE [--steps N] [--warmup N] [--out JSON] [key=value ...]
+    python -m benchmarks.train_step --config NAME|FILE [--steps N] [--warmup N] [--head per_token] [--out JSON] \
+        [key=value ...]
 
 Runs `relaymoe-train` (same config and `key=value` overrides; its step as it trains, `runtime.remat=auto` planned as
 there) for `--warmup` steps, then traces `--steps` more with `jax.profiler` (`relaymoe-train --profile`), and
@@ -9,20 +10,29 @@ other, dense projections, norms/RoPE/other, optimizer, copies, communication, an
 the time any kernel ran), with tokens/s and MFU as the trainer computes them. Parts come from the name scopes in
 the HLO's op metadata (`train.step_parts`). Writes JSON (the table beside it, and each part's costliest HLO ops) to
 benchmarks/results/train_step_NAME_BxS.json, NAME the config's and the dispatcher's unless it is the expert ring
-(`ep8`, `ep8_a2a`); the last line is `summary: train_step NAME BxS mfu=... head_ms=...`.
+(`ep8`, `ep8_a2a`); the last line is `summary: train_step NAME BxS mfu=... head_ms=...`. `--head per_token` steps
+with the loss head the trainer had before it computed the mean's gradient in the forward pass: the per-token chunked
+cross-entropy, whose backward recomputes the logits (`Qwen3MoE.cross_entropy_and_aux`), then its mean; with
+`runtime.loss_chunk_tokens=1024` it is the trainer's step before `loss_chunk_tokens: auto` (NAME ends in
+`_per_token_head`).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import tempfile
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import harness
+from models.qwen3 import Qwen3MoE
 from train import cli
 from train.step_parts import render
+
+HEADS = ("forward_gradient", "per_token")
 
 
 def _parse(argv):
@@ -32,8 +42,32 @@ def _parse(argv):
   parser.add_argument("--warmup", type=int, default=2, help="steps before the profile")
   parser.add_argument("--out", help="results JSON (default benchmarks/results/train_step_CONFIG_BxS.json)")
   parser.add_argument("--run-dir", help="the training run's directory, trace included (default: a temporary one)")
+  parser.add_argument("--head", choices=HEADS, default=HEADS[0],
+                      help="the trainer's loss head, or the per-token one it had before (see the module's doc)")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
   return parser.parse_intermixed_args(argv)
+
+
+@contextlib.contextmanager
+def loss_head(head):
+  """The trainer steps with `head` while inside: its own (`forward_gradient`), or `per_token`."""
+  if head == "forward_gradient":
+    yield
+    return
+  own = Qwen3MoE.mean_cross_entropy_and_aux
+
+  def per_token_mean(model, tokens_BS, labels_BS, segment_ids_BS=None, positions_BS=None, weights_BS=None):
+    ce_BS, aux = model.cross_entropy_and_aux(tokens_BS, labels_BS, segment_ids_BS, positions_BS)
+    if weights_BS is None:
+      return ce_BS.mean(), aux
+    weights_BS = weights_BS.astype(jnp.float32)
+    return jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1), aux
+
+  Qwen3MoE.mean_cross_entropy_and_aux = per_token_mean
+  try:
+    yield
+  finally:
+    Qwen3MoE.mean_cross_entropy_and_aux = own
 
 
 def profile(config, warmup, steps, overrides, run_dir):
@@ -45,10 +79,11 @@ def profile(config, warmup, steps, overrides, run_dir):
   return json.loads(parts.read_text()), json.loads((run / "run_config.json").read_text())
 
 
-def run_name(config, dispatcher):
-  """The config's name, and the dispatcher's unless it is the expert ring: ep8, ep8_a2a (all-to-all), ep8_ring_token."""
+def run_name(config, dispatcher, head=HEADS[0]):
+  """The config's name, the dispatcher's unless it is the expert ring and the loss head's unless it is the trainer's:
+  ep8, ep8_a2a (all-to-all), ep8_ring_token, ep8_a2a_per_token_head."""
   tag = {"ring_expert": "", "all_to_all": "_a2a"}.get(dispatcher, f"_{dispatcher}")
-  return os.path.splitext(os.path.basename(config))[0] + tag
+  return os.path.splitext(os.path.basename(config))[0] + tag + ("" if head == HEADS[0] else f"_{head}_head")
 
 
 def summary(name, shape, result):
@@ -63,13 +98,16 @@ def summary(name, shape, result):
 
 def main(argv=None):
   args = _parse(argv)
-  with tempfile.TemporaryDirectory() as scratch:
-    result, run = profile(args.config, args.warmup, args.steps, args.overrides, args.run_dir or scratch)
-  name = run_name(args.config, run["run"]["runtime"]["dispatcher"])
+  overrides = args.overrides
+  if args.head != HEADS[0] and not any(o.startswith("compilation_cache_dir=") for o in overrides):
+    overrides = [*overrides, "compilation_cache_dir=''"]  # the plan cache keys on the code, not on this patch
+  with tempfile.TemporaryDirectory() as scratch, loss_head(args.head):
+    result, run = profile(args.config, args.warmup, args.steps, overrides, args.run_dir or scratch)
+  name = run_name(args.config, run["run"]["runtime"]["dispatcher"], args.head)
   shape = f"{run['run']['batch_size']}x{run['run']['seq_len']}"
   path = args.out or os.path.join(harness.RESULTS, f"train_step_{name}_{shape}.json")
   meta = dict(harness.machine(jax), command=harness.command_line("train_step", argv), config=args.config,
-              overrides=args.overrides, warmup=args.warmup, steps=args.steps, mesh=run["mesh"],
+              overrides=args.overrides, head=args.head, warmup=args.warmup, steps=args.steps, mesh=run["mesh"],
               runtime=run["run"]["runtime"], remat_plan=run["remat_plan"], compile_s=run["compile_s"])
   harness.write_json(dict(meta=meta, profile=result), path)
   text = "\n".join([f"# {meta['command']}", f"# {meta['machine']}, JAX {meta['jax']}, mesh {meta['mesh']}", "",

@@ -10,11 +10,17 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from benchmarks import train_step
-from conftest import requires_devices
+from conftest import assert_close, requires_devices
+from models import qwen3
+from models.qwen3_config import RuntimeConfig, load_config
 from train import cli
+from train.config import MeshConfig
+from train.mesh import build_mesh
 from train.profile import Window, check_window, parse_window
 from train.step_parts import PARTS, parse_hlo, step_parts
 from train.trace_events import op_events
@@ -269,10 +275,39 @@ def test_train_step_benchmark_writes_its_table_and_summary(tmp_path, capsys):
   assert path.with_suffix(".txt").read_text().strip().endswith(last)
 
 
-def test_train_step_results_are_named_by_config_and_dispatcher():
+def test_train_step_results_are_named_by_config_dispatcher_and_head():
   assert train_step.run_name("ep8", "ring_expert") == "ep8"
   assert train_step.run_name("configs/runs/ep8.yaml", "all_to_all") == "ep8_a2a"
   assert train_step.run_name("ep8", "ring_token") == "ep8_ring_token"
+  assert train_step.run_name("ep8", "all_to_all", "per_token") == "ep8_a2a_per_token_head"
+
+
+@pytest.mark.slow  # four compiles of the tiny model's loss (~40 s on 2 cores); CI's second step runs it
+def test_the_per_token_head_is_the_same_loss_and_gradients_and_is_put_back():
+  """`--head per_token` steps the trainer with the head it had before (per-token, recomputing), the same loss and
+  gradients (float32, within 1e-6), counted targets or all; after it the model's own head is back."""
+  requires_devices(8)
+  mesh = build_mesh(MeshConfig(data=2, expert=4))
+  runtime = RuntimeConfig(dtype="float32", loss_chunk_tokens=8)
+  graphdef, state = nnx.split(qwen3.create_sharded(load_config("tiny", num_hidden_layers=1), mesh, runtime=runtime))
+  rng = np.random.default_rng(0)
+  tokens = jax.numpy.asarray(rng.integers(0, 128, (8, 17)), jax.numpy.int32)
+  weights = jax.numpy.asarray(rng.random((8, 16)) < 0.7)
+
+  def loss_and_grads(weights_BS):
+    loss = lambda p: nnx.merge(graphdef, p).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:],
+                                                                        weights_BS=weights_BS)[0]
+    return jax.jit(jax.value_and_grad(loss))(state)
+
+  own = qwen3.Qwen3MoE.mean_cross_entropy_and_aux
+  expected = [loss_and_grads(w) for w in (None, weights)]
+  with train_step.loss_head("per_token"):
+    assert qwen3.Qwen3MoE.mean_cross_entropy_and_aux is not own
+    actual = [loss_and_grads(w) for w in (None, weights)]
+  assert qwen3.Qwen3MoE.mean_cross_entropy_and_aux is own
+  for name, a, e in zip(("all targets", "counted targets"), actual, expected):
+    assert_close(nnx.to_pure_dict(a[1]), nnx.to_pure_dict(e[1]), 1e-6, f"{name} gradients")
+    assert_close(a[0], e[0], 1e-6, f"{name} loss")
 
 
 @pytest.mark.gpu
