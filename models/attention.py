@@ -32,10 +32,8 @@ def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_i
       platform != "gpu" or q_BSQZ.dtype not in (jnp.bfloat16, jnp.float16))):
     return public(implementation="xla")
   if segment_ids_BS is not None and cudnn_documents.unavailable(platform, q_BSQZ, k_BSJZ) is None:
-    attend = (functools.partial(cudnn_documents.documents_attention, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
-                                cudnn_documents.DOCUMENTS_PER_ROW, cudnn_documents.rows_per_call(q_BSQZ)) if mesh is None else
-              functools.partial(cudnn_documents.documents_attention_on, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
-                                mesh, batch_axes))
+    attend = functools.partial(cudnn_documents.documents_attention_on, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
+                               mesh, batch_axes)
   else:
     attend = functools.partial(public, implementation="cudnn")
   if implementation == "cudnn":

@@ -40,8 +40,8 @@ CALL_TEMPORARY_BYTES = 2 << 30  # the most float32 temporaries one packed backwa
 
 def rows_per_call(q_BSQZ, m=DOCUMENTS_PER_ROW, budget=CALL_TEMPORARY_BYTES):
   """The most of q's rows (a divisor of B, at least 1) one packed call may hold: cuDNN's backward takes two float32
-  [S, Q, Z] temporaries for each of a call's rows·M slots (measured on an H200: 32.3 GiB for 16 rows of 4096 at
-  M = 16 with 32 heads of 128, 2.3 a row)."""
+  [S, Q, Z] temporaries for each of a call's rows·M slots (measured on an H200, 32 heads of 128, M = 16: 32.3 GiB
+  for 16 rows of 4096 in one call, 2.3 a row at a time)."""
   b, s, heads, z = q_BSQZ.shape
   fit = max(1, budget // (2 * m * s * heads * z * 4))
   return max(d for d in range(1, min(b, fit) + 1) if b % d == 0)
@@ -49,13 +49,14 @@ def rows_per_call(q_BSQZ, m=DOCUMENTS_PER_ROW, budget=CALL_TEMPORARY_BYTES):
 
 def documents_attention_on(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, mesh, batch_axes, m=DOCUMENTS_PER_ROW):
   """`documents_attention` on each device's rows of `mesh` (B split over `batch_axes`, the heads over 'tensor' where
-  they divide over it), each device's packed calls holding `rows_per_call` of its rows."""
-  heads = TENSOR if TENSOR in mesh.shape and k_BSJZ.shape[2] % mesh.shape[TENSOR] == 0 else None
-  spec, segments_spec = P(batch_axes, None, heads, None), P(batch_axes, None)
-
+  they divide over it; None: on one device), each device's packed calls holding `rows_per_call` of its rows."""
   def local(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS):
     return documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows_per_call(q_BSQZ, m))
 
+  if mesh is None:
+    return local(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
+  heads = TENSOR if TENSOR in mesh.shape and k_BSJZ.shape[2] % mesh.shape[TENSOR] == 0 else None
+  spec, segments_spec = P(batch_axes, None, heads, None), P(batch_axes, None)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, segments_spec), out_specs=spec,
                        check_vma=False)(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
 
