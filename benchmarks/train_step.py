@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from models.qwen3 import Qwen3MoE
+from models.qwen3 import Qwen3MoE, mean_over_targets
 from train import cli
 from train.step_parts import render
 
@@ -58,10 +58,7 @@ def loss_head(head):
 
   def per_token_mean(model, tokens_BS, labels_BS, segment_ids_BS=None, positions_BS=None, weights_BS=None):
     ce_BS, aux = model.cross_entropy_and_aux(tokens_BS, labels_BS, segment_ids_BS, positions_BS)
-    if weights_BS is None:
-      return ce_BS.mean(), aux
-    weights_BS = weights_BS.astype(jnp.float32)
-    return jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1), aux
+    return mean_over_targets(ce_BS, None if weights_BS is None else weights_BS.astype(jnp.float32)), aux
 
   Qwen3MoE.mean_cross_entropy_and_aux = per_token_mean
   try:

@@ -366,7 +366,11 @@ class Qwen3MoE(_Layer):
 
 
 def _plain_mean_cross_entropy(logits_BSV, labels_BS, weights_BS=None):
-  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS)
+  return mean_over_targets(optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS), weights_BS)
+
+
+def mean_over_targets(ce_BS, weights_BS=None):
+  """The mean of per-target losses over the counted targets (`weights_BS`, 0 or 1 each; None: all)."""
   return ce_BS.mean() if weights_BS is None else jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1)
 
 
