@@ -3,15 +3,16 @@
 Given the same-document mask, cuDNN (through `jax.nn.dot_product_attention`) adds it as a bias [B, 1, S, S] and runs
 its biased kernel at half the causal kernel's speed. Its packed layout instead takes each row's document offsets and
 lengths ([B, M+1] and [B, M], M a static bound on the documents in a row), so each document is a causal sequence of
-its own and nothing a document cannot see is computed. A batch in which some row holds more than M documents takes
-the bias path (`lax.cond`), so the result is exact either way. One custom_vjp holds both branches: its residuals are
-q, k, v, the output and the softmax statistics ([B·M, Q, S] float32: the packed kernel's layout, the bias path's
-[B, Q, S] in its first B rows), never the bias. One H200, the 30B shape's heads, 16 × 4096, documents of mean 1024
-tokens (7 at most in a row), forward and backward (`benchmarks.cp_attention`, `documents_attention.txt`): causal
-without documents 15.9 ms, bias 33.3, packed with M = 16 11.3, but cuDNN's packed backward takes float32 temporaries
-for every slot of every row a call holds: 32.3 GiB at M = 16 (2.0 without documents). `rows` bounds the rows a call
-holds (calls one after another, contiguous groups of one device's rows): a row at a time 16.1 ms and 2.3 GiB.
-`documents_attention_on` runs it on each device's rows of a mesh, as many a call as `rows_per_call` allows.
+its own and nothing a document cannot see is computed. A call (`rows` rows) in which some row holds more than M
+documents takes the bias path (`lax.cond`, per call), so the result is exact either way. One custom_vjp holds both
+branches: its residuals are q, k, v, the output and the softmax statistics ([B·M, Q, S] float32: the packed kernel's
+layout; a call on the bias path has its rows' [rows, Q, S] first in its rows·M), never the bias. One H200, the
+30B shape's heads, 16 × 4096, documents of mean 1024 tokens (7 at most in a row), forward and backward
+(`benchmarks.cp_attention`, `documents_attention.txt`): causal without documents 15.9 ms, bias 33.3, packed with
+M = 16 11.3, but cuDNN's packed backward takes float32 temporaries for every slot of every row a call holds: 32.3 GiB
+at M = 16 (2.0 without documents). `rows` bounds the rows a call holds (calls one after another, contiguous groups of
+one device's rows): a row at a time 16.1 ms and 2.3 GiB. `documents_attention_on` runs it on each device's rows of a
+mesh, as many a call as `rows_per_call` allows.
 
 The packed layout is JAX's (internal) cuDNN wrapper's: `jax._src.cudnn.fused_attention_stablehlo`, Hopper or later;
 JAX before 0.11.1 strides grouped-query K/V by the query's heads there, so it is used only from 0.11.1 (or without
@@ -81,50 +82,53 @@ def documents_attention(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m=DOCUMEN
 def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, m, rows):
   if m < 2:  # JAX's wrapper takes a bound of one for no packing at all
     raise ValueError(f"documents_attention: m={m} documents a row; the packed layout needs at least 2")
-  lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
-  def packed(q_BSQZ, k_BSJZ, v_BSJZ, lengths_BM, offsets_BM1):
-    return jax_cudnn.dot_product_attention(
-        q_BSQZ, k_BSJZ, v_BSJZ, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
-        kv_offsets=offsets_BM1, scale=scale, mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
-        return_residual=True)
+  def call(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS):
+    lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
-  def biased(q_BSQZ, k_BSJZ, v_BSJZ):
-    o_BSQZ, lse_BQS = CUDNN_TILES.forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale,
-                                          mask_BAW=same_document(segment_ids_BS))
-    return o_BSQZ, jnp.pad(lse_BQS, ((0, lse_BQS.shape[0] * (m - 1)), (0, 0), (0, 0)))
+    def packed(q_BSQZ, k_BSJZ, v_BSJZ):
+      return jax_cudnn.dot_product_attention(
+          q_BSQZ, k_BSJZ, v_BSJZ, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
+          kv_offsets=offsets_BM1, scale=scale, mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+          return_residual=True)
 
-  o_BSQZ, stats = checkpoint_name(jax.lax.cond(
-      fits, lambda *qkv: _in_groups(packed, rows, *qkv, lengths_BM, offsets_BM1), biased, q_BSQZ, k_BSJZ, v_BSJZ),
-      KERNEL_OUTPUTS)
+    def biased(q_BSQZ, k_BSJZ, v_BSJZ):
+      o_BSQZ, lse_BQS = CUDNN_TILES.forward(q_BSQZ, k_BSJZ, v_BSJZ, causal=True, scale=scale,
+                                            mask_BAW=same_document(segment_ids_BS))
+      return o_BSQZ, jnp.pad(lse_BQS, ((0, lse_BQS.shape[0] * (m - 1)), (0, 0), (0, 0)))
+
+    return jax.lax.cond(fits, packed, biased, q_BSQZ, k_BSJZ, v_BSJZ)
+
+  o_BSQZ, stats = checkpoint_name(_in_groups(call, rows, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS), KERNEL_OUTPUTS)
   return o_BSQZ, (q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats)
 
 
 def _backward(scale, m, rows, residuals, do_BSQZ):
-  q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats = residuals
-  lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
+  def call(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, stats, do_BSQZ):
+    lengths_BM, offsets_BM1, fits = packed_layout(segment_ids_BS, m)
 
-  def packed(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats, do_BSQZ, lengths_BM, offsets_BM1):
-    unused = jnp.zeros(0, q_BSQZ.dtype)  # no bias, no page tables
-    grads = jax_cudnn._dot_product_attention_bwd_p_wrapper.bind(
-        q_BSQZ, k_BSJZ, v_BSJZ, unused, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, unused, unused, stats,
-        o_BSQZ, do_BSQZ.astype(q_BSQZ.dtype), scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
-        mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, layout=jax_cudnn.AttentionLayout.BTNH.value,
-        sliding_window_length=None)
-    return tuple(grads[:3])
+    def packed(do_BSQZ):
+      unused = jnp.zeros(0, q_BSQZ.dtype)  # no bias, no page tables
+      grads = jax_cudnn._dot_product_attention_bwd_p_wrapper.bind(
+          q_BSQZ, k_BSJZ, v_BSJZ, unused, lengths_BM, lengths_BM, offsets_BM1, offsets_BM1, unused, unused, stats,
+          o_BSQZ, do_BSQZ.astype(q_BSQZ.dtype), scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
+          mask_type=jax_cudnn.MaskType.PADDING_CAUSAL, layout=jax_cudnn.AttentionLayout.BTNH.value,
+          sliding_window_length=None)
+      return tuple(grads[:3])
 
-  def biased(do_BSQZ):
-    return CUDNN_TILES.backward(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats[:q_BSQZ.shape[0]], do_BSQZ, causal=True,
-                                scale=scale, mask_BAW=same_document(segment_ids_BS))
+    def biased(do_BSQZ):
+      return CUDNN_TILES.backward(q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats[:q_BSQZ.shape[0]], do_BSQZ, causal=True,
+                                  scale=scale, mask_BAW=same_document(segment_ids_BS))
 
-  grads = jax.lax.cond(fits, lambda do: _in_groups(packed, rows, q_BSQZ, k_BSJZ, v_BSJZ, o_BSQZ, stats, do,
-                                                   lengths_BM, offsets_BM1), biased, do_BSQZ)
-  return (*grads, None)
+    return jax.lax.cond(fits, packed, biased, do_BSQZ)
+
+  return (*_in_groups(call, rows, *residuals, do_BSQZ), None)
 
 
 def _in_groups(f, rows, *arrays):
   """f over groups of `rows` of the B rows (each array's leading axis: B, or B·M for the statistics), one group after
-  another, its outputs' groups joined again: the packed kernels' workspaces scale with the rows of one call."""
+  another, its outputs' groups joined again: the packed kernels' workspaces scale with the rows of one call, and a
+  row of too many documents sends only its own call to the bias path."""
   b = arrays[0].shape[0]
   groups = b // math.gcd(b, rows or b)
   if groups == 1:

@@ -215,7 +215,7 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
 def test_cudnn_attends_within_documents():
   """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention (the model's path:
   each document a sequence of cuDNN's packed layout, all rows at once, row by row or each device's rows of a mesh;
-  and, for rows of more documents than its bound, the bias path)
+  and, for a call holding a row of more documents than its bound, the bias path, the other calls still packed)
   and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
   gradients, against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it
   lies."""
@@ -224,16 +224,18 @@ def test_cudnn_attends_within_documents():
   mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
   rng = np.random.default_rng(5)
   q, k, v, do = (jnp.asarray(rng.normal(size=(2, 2048, h, 128)), jnp.bfloat16) for h in (8, 2, 2, 8))
-  segments = jnp.asarray(np.cumsum(rng.random((2, 2048)) < 1 / 300, axis=1), jnp.int32)
+  # Row 0: documents of about 300 tokens; row 1: two documents.
+  segments = jnp.asarray(np.stack([np.cumsum(rng.random(2048) < 1 / 300), np.arange(2048) >= 700]), jnp.int32)
   scale = 128 ** -0.5
   paths = dict(
       cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
       cudnn_more_documents_than_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2),
       cudnn_packed_row_by_row=lambda q, k, v: documents_attention(q, k, v, segments, scale, 16, 1),
+      cudnn_one_call_biased_one_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2, 1),
       cudnn_packed_on_mesh=lambda q, k, v: documents_attention_on(q, k, v, segments, scale, mesh, ("data", "expert")),
       cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
                                                     segment_ids_BS=segments))
-  assert packed_layout(segments, 16)[2] and not packed_layout(segments, 2)[2]
+  assert packed_layout(segments, 16)[2] and not packed_layout(segments[:1], 2)[2] and packed_layout(segments[1:], 2)[2]
   assert cudnn_documents.unavailable("gpu", q, k) is None  # so "cudnn" below is the packed layout
   as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
   ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: attention(q, k, v, scale, "xla", "gpu", segments)), *as_f32[:3])
