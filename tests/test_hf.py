@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from conftest import CONTEXT_MESHES, mesh_of, place_tokens, requires_devices
 import relaymoe_jax as rm
-from models import hf, hf_config, safetensors_io
+from models import hf, hf_config, hf_names, safetensors_io
 from models.qwen3_config import RuntimeConfig, load_config
 from relaymoe_jax.errors import UserError
 from train.config import MeshConfig
@@ -60,7 +60,7 @@ def _loaded(family, **runtime):
 
 
 def _params(model):
-  return {k: np.asarray(v) for k, v in hf._paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+  return {k: np.asarray(v) for k, v in hf_names.param_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
 def _tensors(directory):
@@ -148,7 +148,7 @@ def test_parameters_load_into_the_models_own_sharding(overrides):
   config = hf_config.config_from_hf(FIXTURES / "qwen3_moe", param_dtype="float32")
   model = _from_hf(FIXTURES / "qwen3_moe", **overrides)
   _, _, abstract = hf.abstract_state(config, _mesh(), RuntimeConfig(dtype="float32", **overrides))
-  loaded = hf._paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  loaded = hf_names.param_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   assert loaded.keys() == abstract.keys()
   for path, array in loaded.items():
     assert array.sharding.is_equivalent_to(abstract[path].sharding, array.ndim), path
@@ -237,7 +237,7 @@ def test_a_router_bias_starts_at_zero_on_import_and_is_left_out_of_export(tmp_pa
   path = FIXTURES / "qwen3_moe"
   model = hf.from_hf(path, mesh=_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
                      router_bias_update_rate=0.01)
-  biases = [v for k, v in hf._paths(nnx.to_pure_dict(nnx.state(model))).items() if k[-1] == "router_bias_E"]
+  biases = [v for k, v in hf_names.param_paths(nnx.to_pure_dict(nnx.state(model))).items() if k[-1] == "router_bias_E"]
   assert biases and not any(np.any(np.asarray(b)) for b in biases)
   _assert_same_params(_params(model), _params(_loaded("qwen3_moe")))
   hf.to_hf(model, tmp_path)
