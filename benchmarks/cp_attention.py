@@ -12,7 +12,8 @@ of one device (the sequence's two chunks against their prefix, no gather), so S 
 does for a sequence of S·√N (a 4M-token sequence over 8 devices: S = 1.48M). Qwen3-30B-A3B's attention (32 query
 heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward and forward+backward of one layer:
   cudnn_whole  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`: the path without CP;
-  cudnn_tiles  the CP loop on cuDNN tile pairs (`CUDNN_TILES`, tiles of up to --tile rows);
+  cudnn_tiles  the CP loop on cuDNN tile pairs (`CUDNN_TILES`, tiles of up to --tile rows; with --mean-doc the
+               documents too: key tiles a query tile's documents cannot reach skipped, the rest masked);
   xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
   cudnn_documents  with --mean-doc: each row packed documents (exponential lengths of that mean) that do not see
                each other, on the model's path without CP (`models.cudnn_documents`: cuDNN's packed layout, at
@@ -36,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from models.attention import attention
 from models.context_parallel import XLA_TILES, context_attention
 from models.cudnn_attention import CUDNN_TILES
 from models.cudnn_documents import DOCUMENTS_PER_ROW, documents_attention, rows_per_call
@@ -57,7 +57,7 @@ def _attend(variant, mesh, tile, segments_BS, documents_per_row, rows_per_call):
     return functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
   kernels = {"cudnn_tiles": CUDNN_TILES, "xla_tiles": XLA_TILES}[variant]
   return functools.partial(context_attention, mesh=mesh, scale=scale, kernels=kernels,
-                           tile=tile if variant == "cudnn_tiles" else None)
+                           tile=tile if variant == "cudnn_tiles" else None, segment_ids_BS=segments_BS)
 
 
 def seconds(f, args, iters):
@@ -122,9 +122,11 @@ def table(rows):
 
 
 def _key(row):
-  """A row's name in the summary: cudnn_documents16 (M = 16, all rows a call), cudnn_documents16r1 (a row a call)."""
+  """A row's name in the summary: cudnn_documents16 (M = 16, all rows a call), cudnn_documents16r1 (a row a call),
+  cudnn_tiles4096 (tiles of 4096 rows where that is not the kernels' own)."""
   per_call = f"r{row['rows_per_call']}" if row.get("rows_per_call") else ""
-  return f"{row['variant']}{row.get('documents_per_row') or ''}{per_call}"
+  tile = row["tile"] if row.get("tile") not in (None, CUDNN_TILES.tile) else ""
+  return f"{row['variant']}{row.get('documents_per_row') or ''}{per_call}{tile}"
 
 
 def summary(rows):
@@ -137,7 +139,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", default="65536,262144")
   parser.add_argument("--variants", default="cudnn_whole,cudnn_tiles,xla_tiles")
-  parser.add_argument("--tile", type=int, default=CUDNN_TILES.tile)
+  parser.add_argument("--tile", default=str(CUDNN_TILES.tile), help="cudnn_tiles' most rows of a tile, one row of "
+                      "the table per value")
   parser.add_argument("--xla-max-tokens", type=int, default=65536)
   parser.add_argument("--iters", type=int, default=3)
   parser.add_argument("--batch", type=int, default=1, help="sequences (rows) of --tokens each")
@@ -155,14 +158,15 @@ def main(argv=None):
       if variant == "xla_tiles" and tokens > args.xla_max_tokens:
         continue
       packed = variant == "cudnn_documents"
-      for m in (args.documents_per_row.split(",") if packed else [DOCUMENTS_PER_ROW]):
-        for per_call in (args.rows_per_call.split(",") if packed else ["0"]):
-          if per_call == "auto":
-            per_call = rows_per_call(jax.ShapeDtypeStruct((args.batch, tokens, QUERY_HEADS, HEAD_DIM), jnp.bfloat16),
-                                     int(m))
-          rows.append(measure(variant, tokens, args.tile, args.iters, args.batch, args.mean_doc, int(m),
-                              int(per_call) or None))
-          print(rows[-1], flush=True)
+      for tile in (args.tile.split(",") if variant == "cudnn_tiles" else [str(CUDNN_TILES.tile)]):
+        for m in (args.documents_per_row.split(",") if packed else [DOCUMENTS_PER_ROW]):
+          for per_call in (args.rows_per_call.split(",") if packed else ["0"]):
+            if per_call == "auto":
+              per_call = rows_per_call(
+                  jax.ShapeDtypeStruct((args.batch, tokens, QUERY_HEADS, HEAD_DIM), jnp.bfloat16), int(m))
+            rows.append(measure(variant, tokens, int(tile), args.iters, args.batch, args.mean_doc, int(m),
+                                int(per_call) or None))
+            print(rows[-1], flush=True)
   meta = dict(harness.machine(jax), command=harness.command_line("cp_attention", argv))
   text = f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}"
   harness.write_json(dict(meta=meta, rows=rows), args.out)

@@ -17,6 +17,7 @@ from benchmarks import (capacity, cp_attention, documents, grouped_gemm, harness
                         moe_layer_worker, train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
+from models.documents import same_document
 
 
 @pytest.fixture(scope="module")
@@ -376,13 +377,30 @@ def test_cp_attention_packs_documents_one_after_another():
 
 
 def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
-  """XLA's tiles run anywhere (cuDNN's need a GPU): a row with both timings and the summary naming it."""
+  """XLA's tiles run anywhere (cuDNN's need a GPU): a row with both timings, of packed documents, and the summary
+  naming it."""
   out = tmp_path / "cp.json"
-  cp_attention.main(["--tokens", "256", "--variants", "xla_tiles", "--iters", "1", "--out", str(out)])
+  cp_attention.main(["--tokens", "256", "--variants", "xla_tiles", "--mean-doc", "32", "--iters", "1", "--out",
+                     str(out)])
   (row,) = json.loads(out.read_text())["rows"]
   assert row["variant"] == "xla_tiles" and 0 < row["fwd_ms"] < row["fwd_bwd_ms"]
+  assert row["most_documents_in_a_row"] > 1
   assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
       f"summary: cp_attention gpu=cpu tokens=256 xla_tiles_tflops={row['fwd_bwd_tflops']:.0f}")
+
+
+def test_cp_attention_tile_loop_attends_within_the_documents():
+  """The tile variants take the documents: XLA's tile loop (two tiles of 128 rows) over packed documents equals XLA's
+  masked attention (float32, 1e-5)."""
+  mesh = jax.make_mesh((1, 1, 1), cp_attention.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:1])
+  segments = cp_attention.documents(2, 256, 48)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (2, 256, h, 16)) for key, h in zip(keys, (4, 2, 2)))
+  tiles = cp_attention._attend("xla_tiles", mesh, None, segments, 16, None)(q, k, v)
+  masked = jax.nn.dot_product_attention(q, k, v, scale=cp_attention.HEAD_DIM ** -0.5, is_causal=True,
+                                        mask=same_document(segments)[:, None])
+  np.testing.assert_allclose(tiles, masked, rtol=1e-5, atol=1e-5)
 
 
 def test_loss_head_times_every_variant_and_writes_its_summary(tmp_path):
