@@ -82,7 +82,7 @@ def hf_shapes(source, shape, num_experts):
 
 
 @dataclasses.dataclass(frozen=True)
-class Param:
+class _Param:
   """One of our parameters: per layer (`layers`, empty for top-level ones) the Source of its per-layer array."""
   sources: tuple  # one Source per layer (stacked) or a single one
   stacked: bool
@@ -100,16 +100,16 @@ def _layer_of_path(config, runtime, path):
 
 
 def param_sources(config, runtime, paths, fused_layers=frozenset()):
-  """{our parameter path: Param} for every path in `paths` (tuples of keys from the pure dict of a model of
+  """{our parameter path: _Param} for every path in `paths` (tuples of keys from the pure dict of a model of
   `config` laid out as `runtime` says)."""
   out = {}
   for path in paths:
     layers, inner, stacked = _layer_of_path(config, runtime, path)
     if layers is None:
-      out[path] = Param((_TOP[inner],), False)
+      out[path] = _Param((_TOP[inner],), False)
       continue
     sources = tuple(layer_sources(config, layer, layer in fused_layers)[inner] for layer in layers)
-    out[path] = Param(sources, stacked)
+    out[path] = _Param(sources, stacked)
   return out
 
 
