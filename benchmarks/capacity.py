@@ -8,7 +8,7 @@
 
 Per dispatcher, `relaymoe-plan --maximize seq` (in parallel processes: compiling is CPU work) finds the longest
 sequence at micro-batch 1 per GPU whose compiled train step fits the device, with that dispatcher's own most
-frugal remat plan (`train.plan`); nothing is allocated. Then, on GPUs, each limit is confirmed by a real training
+frugal remat plan (`train.plan.planner`); nothing is allocated. Then, on GPUs, each limit is confirmed by a real training
 step (`relaymoe-train`, one step, no checkpoint) and the first size above it is run with the fit check lifted to
 show that it really does not fit. `--topology 1x1x8` repeats the search compile-only for a host of eight GPUs of
 this machine's kind, or of `--target-config`'s on a machine without one (JAX's deviceless compilation, with the

@@ -18,13 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import harness
 from models.loss import chunked_cross_entropy, mean_cross_entropy
-from train.plan_search import topology_devices
+from train.plan.search import topology_devices
 
 
 def loss_head(tokens=65536, seq_len=4096, d_model=2048, vocab=151936, chunk_tokens=1024, vocab_tile=16384,
               device=None):
   """Compiled temporaries (GiB) of the loss head's fwd+bwd on one device (default this machine's first; or a
-  compile-only device of `train.plan_search.topology_devices`): plain (full float32 logits), chunked per token
+  compile-only device of `train.plan.search.topology_devices`): plain (full float32 logits), chunked per token
   (its backward recomputes the logits) and the trainer's mean with its gradient from the forward. Compile-only."""
   axes = ("data", "expert", "tensor")
   mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1), axes)

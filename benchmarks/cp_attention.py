@@ -7,7 +7,7 @@
         --out benchmarks/results/documents_attention.json
 
 Under context parallelism over N devices a device attends its two chunks to their causal prefix tile pair by tile
-pair (`models/context_parallel.py`): 1/N of the sequence's causal work. On one GPU the same loop runs over a mesh
+pair (`models/attention/context_parallel.py`): 1/N of the sequence's causal work. On one GPU the same loop runs over a mesh
 of one device (the sequence's two chunks against their prefix, no gather), so S tokens here are the work a device
 does for a sequence of S·√N (a 4M-token sequence over 8 devices: S = 1.48M). Qwen3-30B-A3B's attention (32 query
 heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward and forward+backward of one layer:
@@ -16,7 +16,7 @@ heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward an
                documents too: key tiles a query tile's documents cannot reach skipped, the rest masked);
   xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
   cudnn_documents  with --mean-doc: each row packed documents (exponential lengths of that mean) that do not see
-               each other, on the model's path without CP (`models.cudnn_documents`: cuDNN's packed layout, at
+               each other, on the model's path without CP (`models.attention.cudnn_documents`: cuDNN's packed layout, at
                most --documents-per-row documents a row, else the bias path; --rows-per-call rows a call, 0: all,
                auto: the model's choice, `rows_per_call`);
   cudnn_documents_bias  the same documents, their mask passed to `jax.nn.dot_product_attention` (a bias for cuDNN);
@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from models.context_parallel import XLA_TILES, context_attention
-from models.cudnn_attention import CUDNN_TILES
-from models.cudnn_documents import DOCUMENTS_PER_ROW, documents_attention, rows_per_call
-from models.documents import same_document
+from models.attention.context_parallel import XLA_TILES, context_attention
+from models.attention.cudnn import CUDNN_TILES
+from models.attention.cudnn_documents import DOCUMENTS_PER_ROW, documents_attention, rows_per_call
+from models.attention.documents import same_document
 from models.sharding import MESH_AXES
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128

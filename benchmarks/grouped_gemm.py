@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from relaymoe_jax import hopper_grouped as hg, hopper_weight_grad as hw, mosaic_gpu as mg
+from relaymoe_jax.kernels import hopper_grouped as hg, hopper_weight_grad as hw, mosaic_gpu as mg
 
 TOKENS_PER_GPU = 32768
 MODELS = {  # name: (D, F, E, K)

@@ -1,4 +1,4 @@
-"""Host memory of importing a multi-file Hugging Face checkpoint (`models.hf.from_hf`) on 8 emulated CPU devices.
+"""Host memory of importing a multi-file Hugging Face checkpoint (`models.hf.transfer.from_hf`) on 8 emulated CPU devices.
 
     python -m benchmarks.hf_load_memory [--dir /tmp/hf_load_memory] [--keep]
 
@@ -54,8 +54,10 @@ def _mesh():
 
 
 def make(out_dir):
-  from models import hf, qwen3
-  from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
+  from models.hf import transfer as hf
+  from models.qwen3 import model as qwen3
+  from models.qwen3.config import Qwen3MoEConfig
+  from models.runtime import RuntimeConfig
   model = qwen3.create_sharded(Qwen3MoEConfig(**CONFIG), _mesh(), seed=0, runtime=RuntimeConfig(**RUNTIME))
   files = hf.to_hf(model, out_dir, max_shard_bytes=MAX_SHARD_BYTES)
   print(json.dumps({"files": files}))
@@ -66,8 +68,8 @@ def measure(hf_dir, mode):
   from flax import nnx
   from safetensors.numpy import load_file
 
-  from models import hf
-  from models.qwen3_config import RuntimeConfig
+  from models.hf import transfer as hf
+  from models.runtime import RuntimeConfig
   mesh = _mesh()
   jax.block_until_ready(jax.device_put(0.0))
   baseline = _peak_rss_bytes()

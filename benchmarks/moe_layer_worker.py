@@ -26,9 +26,9 @@ import relaymoe_jax as rm
 from benchmarks import harness
 from benchmarks.moe_layer import MODEL_OF_SHAPE, TRANSFER, stack_depth, variant_options
 from benchmarks.trace_summary import find_trace, kernel_times
-from models.qwen3_config import load_config
+from models.qwen3.config import load_config
 from relaymoe_jax import gate_up
-from relaymoe_jax.ring import ring_pass, ring_relay, ring_relay_homeward
+from relaymoe_jax.ring.schedule import ring_pass, ring_relay, ring_relay_homeward
 
 PROFILE_STEPS = 2
 

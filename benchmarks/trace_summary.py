@@ -13,7 +13,7 @@ import argparse
 import collections
 import json
 
-from train.trace_events import device_kernels, find_trace, union_us
+from train.profile.trace_events import device_kernels, find_trace, union_us
 
 KINDS = (("mosaic", "grouped matmul"), ("nccl", "collective"), ("scatter", "scatter"), ("gather", "gather"),
          ("memcpy", "copy"), ("memset", "copy"), ("fusion", "fusion"))

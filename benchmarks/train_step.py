@@ -8,7 +8,7 @@ there) for `--warmup` steps, then traces `--steps` more with `jax.profiler` (`re
 tabulates the first device's kernel time per step by part: LM head and loss, attention, MoE grouped matmuls, MoE
 other, dense projections, norms/RoPE/other, optimizer, copies, communication, and idle (the step's wall time less
 the time any kernel ran), with tokens/s and MFU as the trainer computes them. Parts come from the name scopes in
-the HLO's op metadata (`train.step_parts`). Writes JSON (the table beside it, and each part's costliest HLO ops) to
+the HLO's op metadata (`train.profile.step_parts`). Writes JSON (the table beside it, and each part's costliest HLO ops) to
 benchmarks/results/train_step_NAME_BxS.json, NAME the config's and the dispatcher's unless it is the expert ring
 (`ep8`, `ep8_a2a`); the last line is `summary: train_step NAME BxS mfu=... head_ms=...`. `--head per_token` steps
 with the loss head the trainer had before it computed the mean's gradient in the forward pass: the per-token chunked
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from models.qwen3 import Qwen3MoE, mean_over_targets
+from models.qwen3.model import Qwen3MoE, mean_over_targets
 from train import cli
-from train.step_parts import render
+from train.profile.step_parts import render
 
 HEADS = ("forward_gradient", "per_token")
 

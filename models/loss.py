@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.grouped_matmul import matmul_precision
+from relaymoe_jax.kernels.grouped_matmul import matmul_precision
 from relaymoe_jax.layout import vary_like
 
 DEFAULT_CHUNK_TOKENS = 1024

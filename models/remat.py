@@ -5,8 +5,8 @@ the layers that `nnx.remat` wraps whole (`layer`, `offload`, `all_but_attention`
 
 import jax
 
-from models.context_parallel import KERNEL_OUTPUTS
-from models.cudnn_attention import keeps_kernel_outputs
+from models.attention.context_parallel import KERNEL_OUTPUTS
+from models.attention.cudnn import keeps_kernel_outputs
 
 LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of the input that `offload` moves to the host
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import relaymoe_jax as rm
-from models.qwen3_config import layer_groups
+from models.qwen3.config import layer_groups
 
 BIAS = "router_bias_E"  # the MoE module's attribute (stacked layers: [layers, E])
 

@@ -40,7 +40,7 @@ def batch_axes(runtime):
 
 
 def sequence_axis(runtime):
-  """The mesh axis that splits each sequence: 'expert' under context parallelism (`models.context_parallel`)."""
+  """The mesh axis that splits each sequence: 'expert' under context parallelism (`models.attention.context_parallel`)."""
   return EXPERT if runtime.context_parallel else None
 
 

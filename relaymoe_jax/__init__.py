@@ -34,20 +34,21 @@ point here):
 Checks for your own tests, against the dense oracle: `import relaymoe_jax.testing` (not imported here).
 """
 
-from relaymoe_jax import linen_layer as linen, nnx_layer as nnx
+import importlib
+
 from relaymoe_jax.all_to_all import AllToAll
-from relaymoe_jax.auto import Auto
+from relaymoe_jax.ring.auto import Auto
 from relaymoe_jax.axes import DATA, EXPERT, TENSOR
 from relaymoe_jax.balance import expert_load_stats, update_router_bias
-from relaymoe_jax.block import MoEAux
+from relaymoe_jax.layers.block import MoEAux
 from relaymoe_jax.compiler import COMPILER_OPTIONS, compiled_bytes
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.layout import ExpertLayout
 from relaymoe_jax.moe import DISPATCHERS, DispatchStats, dense_swiglu, make_dispatcher, moe_ffn, shared_expert
-from relaymoe_jax.ring_expert import RingExpert
-from relaymoe_jax.ring_token import RingToken
+from relaymoe_jax.ring.expert import RingExpert
+from relaymoe_jax.ring.token import RingToken
 from relaymoe_jax.routing import RouterAux, load_balancing_loss, route
-from relaymoe_jax.volume import DispatchPlan, ModeVolume, plan_dispatch
+from relaymoe_jax.ring.volume import DispatchPlan, ModeVolume, plan_dispatch
 
 __all__ = [
     "AllToAll", "Auto", "COMPILER_OPTIONS", "DATA", "DISPATCHERS", "Dense", "DispatchPlan", "DispatchStats", "EXPERT",
@@ -55,3 +56,10 @@ __all__ = [
     "dense_moe", "dense_swiglu", "expert_load_stats", "linen", "load_balancing_loss", "make_dispatcher", "moe_ffn",
     "nnx", "plan_dispatch", "route", "shared_expert", "update_router_bias",
 ]
+_LAYERS = ("linen", "nnx")  # Flax layers, imported on first use so the functional API never loads Flax
+
+
+def __getattr__(name):
+  if name in _LAYERS:
+    return importlib.import_module(f"relaymoe_jax.layers.{name}")
+  raise AttributeError(f"module 'relaymoe_jax' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import gate_up
 from relaymoe_jax.errors import UserError
-from relaymoe_jax.grouped_matmul import expert_mlp, resolve_backend
+from relaymoe_jax.kernels.grouped_matmul import expert_mlp, resolve_backend
 from relaymoe_jax.pair_plan import make_pair_plan, sorted_pair_weights
 
 

@@ -16,14 +16,14 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from relaymoe_jax import activations
 from relaymoe_jax.all_to_all import AllToAll
-from relaymoe_jax.auto import Auto
+from relaymoe_jax.ring.auto import Auto
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.errors import UserError
-from relaymoe_jax.grouped_matmul import matmul_precision, resolve_backend
+from relaymoe_jax.kernels.grouped_matmul import matmul_precision, resolve_backend
 from relaymoe_jax.layout import ExpertLayout, context_mesh
-from relaymoe_jax.ring_expert import RingExpert
-from relaymoe_jax.ring_token import RingToken
+from relaymoe_jax.ring.expert import RingExpert
+from relaymoe_jax.ring.token import RingToken
 from relaymoe_jax.tokens import fold, pad_rows, padding_for, refuse_vmap, unfold
 
 DISPATCHERS = {

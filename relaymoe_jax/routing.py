@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.errors import UserError
-from relaymoe_jax.grouped_matmul import matmul_precision
+from relaymoe_jax.kernels.grouped_matmul import matmul_precision
 
 
 class RouterAux(NamedTuple):

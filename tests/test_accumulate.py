@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 
 from conftest import assert_close, requires_devices
-from models import qwen3
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3 import model as qwen3
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from train.accumulate import accumulated_value_and_grad, micro_batches_of
-from train import data as train_data
-from train.data import SyntheticLanguage
+from train.data import batches as train_data
+from train.data.batches import SyntheticLanguage
 from train.mesh import build_mesh, global_batch
 from train.config import MeshConfig
 from train.step import loss_fn

@@ -20,8 +20,9 @@ from flax import nnx
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of
-from relaymoe_jax import activations, grouped_kernels, grouped_matmul as gm
-from relaymoe_jax.auto import plan_for
+from relaymoe_jax import activations
+from relaymoe_jax.kernels import interface as grouped_kernels, grouped_matmul as gm
+from relaymoe_jax.ring.auto import plan_for
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, ETP_NAMES, F32_RTOL
 
 TOKENS, D_MODEL, D_FF, EXPERTS, TOP_K = 32, 8, 12, 8, 2

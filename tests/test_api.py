@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax.chunks import chunk_ladder, default_chunk_rows
+from relaymoe_jax.ring.chunks import chunk_ladder, default_chunk_rows
 from test_equivalence import DATA_EXPERT, F32_RTOL
 
 ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")

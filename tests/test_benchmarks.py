@@ -17,7 +17,7 @@ from benchmarks import (capacity, cp_attention, documents, grouped_gemm, harness
                         moe_layer_worker, train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
-from models.documents import same_document
+from models.attention.documents import same_document
 
 
 @pytest.fixture(scope="module")

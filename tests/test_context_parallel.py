@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 
 from conftest import assert_close, requires_devices
-from models import qwen3
-from models.context_parallel import (balanced_order, context_attention, key_tiles_per_device, tile_rows,
+from models.qwen3 import model as qwen3
+from models.attention.context_parallel import (balanced_order, context_attention, key_tiles_per_device, tile_rows,
                                      to_held_order, to_sequence_order)
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from models.sharding import MESH_AXES
 from train.config import MeshConfig, RunConfig
 from relaymoe_jax.compiler import compiled_bytes

@@ -11,9 +11,10 @@ import pytest
 import yaml
 from orbax.checkpoint._src.path import atomicity
 
-from models import qwen3
-from models.hf import to_hf
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3 import model as qwen3
+from models.hf.transfer import to_hf
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from train import convert
 from train.cli import main
 from train.config import MeshConfig, load_run_config

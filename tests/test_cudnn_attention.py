@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from models.context_parallel import XLA_TILES, context_attention
-from models.cudnn_attention import CUDNN_TILES, tile_kernels
+from models.attention.context_parallel import XLA_TILES, context_attention
+from models.attention.cudnn import CUDNN_TILES, tile_kernels
 from models.sharding import MESH_AXES
 
 

@@ -1,4 +1,4 @@
-"""Text tokenised with a tokenizer.json (`train.text`): the token stream of .txt and .jsonl input, the cache (reused,
+"""Text tokenised with a tokenizer.json (`train.data.text`): the token stream of .txt and .jsonl input, the cache (reused,
 renewed when the input or tokenizer changes, never left partial), the errors a user can act on, and a short run."""
 
 import json
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import train.text
+import train.data.text
 from conftest import requires_devices
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
-from train.data import make_source
+from train.data.batches import make_source
 from train.loop import run
 
 SENTENCES = ["the relay passes tokens around the ring", "experts compute their rows and send them back",
@@ -81,7 +81,7 @@ def test_the_cache_is_reused_and_renewed_when_the_input_or_tokenizer_changes(tmp
   def no_encoding(*args):
     raise AssertionError("tokenised again")
   with monkeypatch.context() as m:
-    m.setattr(train.text, "encode", no_encoding)
+    m.setattr(train.data.text, "encode", no_encoding)
     assert make_source(config, 128).tokens.tolist() == first
   assert cache.stat().st_mtime_ns == written
 
@@ -96,7 +96,7 @@ def test_the_cache_is_reused_and_renewed_when_the_input_or_tokenizer_changes(tmp
 
 
 def test_a_failure_while_tokenising_leaves_no_cache_and_names_the_line(tmp_path, tokenizer, monkeypatch):
-  monkeypatch.setattr(train.text, "BATCH_CHARS", 1)  # a batch per document: the first are written before line 4
+  monkeypatch.setattr(train.data.text, "BATCH_CHARS", 1)  # a batch per document: the first are written before line 4
   corpus = tmp_path / "corpus.jsonl"
   write_jsonl(corpus, [{"text": d} for d in DOCUMENTS] + [{"txt": "a typo"}])
   with pytest.raises(ValueError, match=r"corpus.jsonl, line 4: no string field 'text' \(data.text_field\)"):

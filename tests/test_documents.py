@@ -17,16 +17,17 @@ import pytest
 from flax import nnx
 
 from conftest import assert_close, requires_devices
-from models import qwen3
-from models.attention import attention
-from models.cudnn_attention import CUDNN_TILES, tile_kernels
-from models import cudnn_documents
-from models.cudnn_documents import documents_attention, documents_attention_on, rows_per_call
-from models.documents import packed_layout
-from models.context_parallel import XLA_TILES, balanced_order, context_attention
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3 import model as qwen3
+from models.attention.causal import attention
+from models.attention.cudnn import CUDNN_TILES, tile_kernels
+from models.attention import cudnn_documents
+from models.attention.cudnn_documents import documents_attention, documents_attention_on, rows_per_call
+from models.attention.documents import packed_layout
+from models.attention.context_parallel import XLA_TILES, balanced_order, context_attention
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
-from train.data import DataChanged, documents, make_sources
+from train.data.batches import DataChanged, documents, make_sources
 from train.loop import run
 from train.mesh import build_mesh
 

@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import hop
+from relaymoe_jax.ring import hop
 from relaymoe_jax.layout import varying_zeros
-from relaymoe_jax.ring import ring_relay, ring_relay_homeward
-from relaymoe_jax.ring_vjp import make_ring_spec
+from relaymoe_jax.ring.schedule import ring_relay, ring_relay_homeward
+from relaymoe_jax.ring.vjp import make_ring_spec
 
 F32_RTOL = 1e-5
 BF16_RTOL = 3e-2
@@ -82,7 +82,7 @@ def test_bfloat16_weight_gradients_summed_over_many_chunks_match_oracle():
 
 @pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token"])
 def test_chunks_capped_by_max_chunk_rows_match_oracle(dispatcher):
-  """`max_chunk_rows` caps the default ladder (what `train.plan` does when memory is short): a skewed hop of up to
+  """`max_chunk_rows` caps the default ladder (what `train.plan.planner` does when memory is short): a skewed hop of up to
   512 rows walks 128-row chunks instead of one chunk of its share."""
   layer = random_layer(11, 512, D_MODEL, D_FF, 8, 2, skew=True)
   mesh = mesh_of((2,), E_ONLY)

@@ -9,8 +9,9 @@ from flax import nnx
 
 import relaymoe_jax as rm
 from conftest import mesh_of, random_layer
-from models import qwen3
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3 import model as qwen3
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
 from train.cli import main
 import train.mesh

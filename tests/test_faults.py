@@ -22,10 +22,10 @@ from tensorboardX import record_writer
 from tensorboardX.proto import event_pb2
 
 from conftest import requires_devices
-from models import qwen3
+from models.qwen3 import model as qwen3
 from test_train import REPO, tiny_run
 from train import convert, xla_cache
-from train.checkpoints import Checkpoints, CheckpointSaveFailed
+from train.rundir.checkpoints import Checkpoints, CheckpointSaveFailed
 from train.cli import main
 from train.compile import abstract_train_state
 from train.config import load_run_config

@@ -21,12 +21,13 @@ from flax import nnx
 
 import relaymoe_jax.testing as rmt
 from conftest import mesh_of
-from models import qwen3
-from models.qwen3_config import RuntimeConfig, load_config
-from relaymoe_jax import grouped_matmul as gm, hopper_grouped, hopper_weight_grad
+from models.qwen3 import model as qwen3
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
+from relaymoe_jax.kernels import grouped_matmul as gm, hopper_grouped, hopper_weight_grad
 from test_equivalence import BF16_RTOL, DATA_EXPERT
 from train.config import MeshConfig, OptimConfig
-from train.data import SyntheticLanguage
+from train.data.batches import SyntheticLanguage
 from train.mesh import build_mesh, global_batch
 from train.step import TrainState, make_optimizer, make_train_step
 

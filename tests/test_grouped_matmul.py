@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import relaymoe_jax as rm
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import grouped_kernels as gk, grouped_matmul as gm, mosaic_gpu as mg
+from relaymoe_jax.kernels import interface as gk, grouped_matmul as gm, mosaic_gpu as mg
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 GROUPS = {

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (`models.hf`): tiny qwen3_moe and qwen2_moe checkpoints written by transformers
+"""Hugging Face checkpoints (`models.hf.transfer`): tiny qwen3_moe and qwen2_moe checkpoints written by transformers
 (tests/fixtures/hf, made by make_fixtures.py) import to transformers' logits under every dispatcher, export back
 bit-exactly, land in the model's own sharding on 8 devices, and bad checkpoints are named. `pytest -m hf` also
 compares live with transformers (torch and transformers installed)."""
@@ -18,8 +18,10 @@ from safetensors.numpy import save_file
 
 from conftest import CONTEXT_MESHES, mesh_of, place_tokens, requires_devices
 import relaymoe_jax as rm
-from models import hf, hf_config, hf_names, safetensors_io
-from models.qwen3_config import RuntimeConfig, load_config
+from models.hf import transfer as hf, safetensors_io
+from models.qwen3 import hf_config, hf_names
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
 from train.config import MeshConfig
 from train.mesh import build_mesh

@@ -12,7 +12,8 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from conftest import assert_close, mesh_of, random_layer
-from relaymoe_jax import activations, grouped_matmul as gm, hopper_grouped as hg, hopper_weight_grad as hw
+from relaymoe_jax import activations
+from relaymoe_jax.kernels import grouped_matmul as gm, hopper_grouped as hg, hopper_weight_grad as hw
 from test_equivalence import BF16_RTOL, DATA_EXPERT, E_ONLY, F32_RTOL, assert_matches_oracle
 
 # Rows 0–39 in group 0, group 1 empty, 40–89 in group 2; rows 90–99 in none (left unwritten by the kernel).

@@ -18,12 +18,13 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_close, mesh_of
-from models import qwen3
+from models.qwen3 import model as qwen3
 from models.loss import chunked_cross_entropy, mean_cross_entropy
-from models.qwen3_config import DEFAULT_LOSS_CHUNK_TOKENS, RuntimeConfig, load_config
+from models.qwen3.config import load_config
+from models.runtime import DEFAULT_LOSS_CHUNK_TOKENS, RuntimeConfig
 from train.compile import memory_plan
 from train.config import MeshConfig, RunConfig, load_run_config
-from train.loss_chunk import SAME_BYTES, candidates, resolve_loss_chunk, widest, with_loss_chunk
+from train.plan.loss_chunk import SAME_BYTES, candidates, resolve_loss_chunk, widest, with_loss_chunk
 from train.mesh import build_mesh
 
 TOKEN_AXES = ("data", "expert")

@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from conftest import CONTEXT_MESHES, assert_close, mesh_of, place_tokens, requires_devices
-from models import qwen3
-from models.qwen3_config import RuntimeConfig, layer_groups, load_config
+from models.qwen3 import model as qwen3
+from models.qwen3.config import layer_groups, load_config
+from models.runtime import RuntimeConfig
 from train.config import MeshConfig
 from train.mesh import build_mesh
 

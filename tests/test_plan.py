@@ -1,4 +1,4 @@
-"""The activation planner (`train.plan`), the trainer's `remat: auto` and fit guard, and `relaymoe-plan`, on the tiny
+"""The activation planner (`train.plan.planner`), the trainer's `remat: auto` and fit guard, and `relaymoe-plan`, on the tiny
 model over 8 emulated CPU devices.
 
 CPU devices report no memory limit, so each test sets a budget (`device_memory_gib`) between the compiled bytes of
@@ -17,14 +17,15 @@ import types
 import jax
 import pytest
 
-from relaymoe_jax import mosaic_gpu
+from relaymoe_jax.kernels import mosaic_gpu
 from relaymoe_jax.errors import UserError
-from train import cli, loop, loss_chunk, plan as planning, plan_search, remat_auto
+from train import cli, loop
+from train.plan import loss_chunk, planner as planning, search as plan_search, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
 from train.metrics import size
-from train.plan_record import Plan, cached_plan_path, plan_from_dict, plan_key, store_plan
+from train.plan.record import Plan, cached_plan_path, plan_from_dict, plan_key, store_plan
 from train.sources import model_config_for
 
 OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from train import plan_search
-from train.plan_record import Plan
+from train.plan import search as plan_search
+from train.plan.record import Plan
 
 
 class FakePlanner:

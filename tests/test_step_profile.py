@@ -16,14 +16,15 @@ from flax import nnx
 
 from benchmarks import train_step
 from conftest import assert_close, requires_devices
-from models import qwen3
-from models.qwen3_config import RuntimeConfig, load_config
+from models.qwen3 import model as qwen3
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
 from train import cli
 from train.config import MeshConfig
 from train.mesh import build_mesh
-from train.profile import Window, check_window, parse_window
-from train.step_parts import PARTS, parse_hlo, step_parts
-from train.trace_events import op_events
+from train.profile.window import Window, check_window, parse_window
+from train.profile.step_parts import PARTS, parse_hlo, step_parts
+from train.profile.trace_events import op_events
 
 STEP = "jit(train_step)/transpose(jvp())/while/body/closed_call"
 
@@ -167,7 +168,7 @@ def test_every_part_is_attributed_from_the_hlo_op_metadata(tmp_path):
 CACHE_HITS = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np
     from jax._src import monitoring
-    from train.step_parts import full_op_names
+    from train.profile.step_parts import full_op_names
     jax.config.update("jax_compilation_cache_dir", sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     hits = []

@@ -20,18 +20,20 @@ import pytest
 from flax import nnx
 
 from conftest import requires_devices
-from models import qwen3
+from models.qwen3 import model as qwen3
 from train.config import DataConfig, MeshConfig, RunConfig, load_run_config
-from train.data import DataChanged, SyntheticLanguage, data_change, data_stamp, make_source
-from models.qwen3_config import RuntimeConfig, load_config
-from train.checkpoints import Checkpoints
+from train.data.batches import DataChanged, SyntheticLanguage, data_change, data_stamp, make_source
+from models.qwen3.config import load_config
+from models.runtime import RuntimeConfig
+from train.rundir.checkpoints import Checkpoints
 from train.compile import abstract_train_state, memory_plan
 from train.loop import run
 from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
-from train import checkpoints as train_checkpoints
+from train.rundir import checkpoints as train_checkpoints
 from train import metrics as train_metrics
-from train import data as train_data, loop as train_loop
+from train import loop as train_loop
+from train.data import batches as train_data
 from train.cli import _parse, _start
 from train.errors import exit_status
 from train.step import BAD_IDS, TrainState, make_optimizer, make_train_step

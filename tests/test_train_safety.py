@@ -15,16 +15,18 @@ import pytest
 
 from conftest import requires_devices
 from test_train import REPO, tiny_run
-from train.checkpoints import CheckpointUnreadable
+from train.rundir.checkpoints import CheckpointUnreadable
 from train.cli import main
 from train.config import RunConfig, load_run_config
 from train.errors import exit_status
 from train.loop import run
 from train.mesh import run_mesh
 from train.sources import model_config_for
-from train import compile as train_compile, plan as planning, preempt
-from train.preempt import StopRequest, Stopped
-from train.rundir import RunDirectory, RunDirectoryError
+from train import compile as train_compile
+from train.plan import planner as planning
+from train.rundir import preempt
+from train.rundir.preempt import StopRequest, Stopped
+from train.rundir.directory import RunDirectory, RunDirectoryError
 
 
 @pytest.fixture(autouse=True)
@@ -155,8 +157,10 @@ def test_a_repeated_signal_does_not_change_the_plan():
 # or `pure virtual method called` a minute later, once Python had shut down under the compile still running.
 IN_A_COMPILE = """
 import signal, time
-from train import compile as train_compile, plan as planning, preempt
-from train.preempt import StopRequest, Stopped
+from train import compile as train_compile
+from train.plan import planner as planning
+from train.rundir import preempt
+from train.rundir.preempt import StopRequest, Stopped
 with StopRequest():
   signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
   print("compiling", flush=True)

@@ -11,7 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from test_train import tiny_run, _eight_devices  # noqa: F401  (the trainer's fixtures)
-from train.checkpoints import Checkpoints
+from train.rundir.checkpoints import Checkpoints
 from train.compile import abstract_train_state
 from train.loop import run
 from train.mesh import build_mesh

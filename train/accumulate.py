@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.data import next_token_inputs
+from train.data.batches import next_token_inputs
 
 
 def micro_batches_of(tokens_BS1, micro_batches):
@@ -40,7 +40,7 @@ def whole_batch_fraction(params, graphdef, batch_A, model_config):
 
 def _cross_entropy_weights(batch_A, micro_batches):
   """[A] float32: each micro-batch's share of the whole batch's counted targets, times A, so that the mean over
-  micro-batches of their weighted cross-entropies is the whole batch's (`train.data.documents` drops the targets
+  micro-batches of their weighted cross-entropies is the whole batch's (`train.data.batches.documents` drops the targets
   that cross a document, and micro-batches hold different counts); None without documents (every share is 1)."""
   if "segment_ids" not in batch_A:
     return None

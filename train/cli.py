@@ -1,5 +1,5 @@
 """`relaymoe-train`: train a Qwen3-style MoE with the RelayMoE ring (or any dispatcher) from a YAML run config;
-`relaymoe-plan`: what fits on the devices (the activation planner, `train.plan`).
+`relaymoe-plan`: what fits on the devices (the activation planner, `train.plan.planner`).
 
     relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only]
                    [--profile START:COUNT] [--eval-only] [key=value ...]
@@ -26,13 +26,13 @@ import sys
 import jax
 
 from relaymoe_jax.errors import UserError
-from train import plan_search
+from train.plan import search as plan_search
 from train.compile import memory_plan
 from train.config import load_run_config
 from train.errors import run_cli
 from train.evaluate import evaluate_only
 from train.loop import run
-from train.profile import parse_window
+from train.profile.window import parse_window
 from train.xla_cache import use_compilation_cache
 
 

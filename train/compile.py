@@ -12,13 +12,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-from models import qwen3
-from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig
+from models.qwen3 import model as qwen3
+from models.qwen3.config import Qwen3MoEConfig
+from models.runtime import RuntimeConfig
 from models.sharding import batch_spec
-from relaymoe_jax import mosaic_gpu
-from train import preempt
+from relaymoe_jax.kernels import mosaic_gpu
+from train.rundir import preempt
 from train.config import RunConfig
-from train.data import batch_keys
+from train.data.batches import batch_keys
 from train.mesh import run_mesh
 from train.metrics import log_on_process_0, size
 from train.sources import model_config_for

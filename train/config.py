@@ -3,7 +3,7 @@
 import dataclasses
 
 from models.config import from_mapping, override, parse_assignment, read_yaml
-from models.qwen3_config import RUNTIME_FIELDS, RuntimeConfig
+from models.runtime import RUNTIME_FIELDS, RuntimeConfig
 from relaymoe_jax.errors import UserError
 
 
@@ -19,7 +19,7 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
   """kind: synthetic (built-in language with a known entropy floor), tokens (pre-tokenised .bin), text (bytes, or
-  tokens of `tokenizer`: `train.text`)."""
+  tokens of `tokenizer`: `train.data.text`)."""
 
   kind: str = "synthetic"
   path: str = ""
@@ -34,7 +34,7 @@ class DataConfig:
   eos_token: str | int = ""
   cache_dir: str = ""  # where tokenised text is cached as .bin; "" = beside the input
   # Packed documents do not attend to each other, RoPE positions restart at each, and no loss is taken on a
-  # document's EOS predicting the next one's first token (segments from the EOS ids: `train.data.documents`).
+  # document's EOS predicting the next one's first token (segments from the EOS ids: `train.data.batches.documents`).
   # auto: on for text with a tokenizer and for tokens with an eos_token; off for the synthetic language and bytes.
   document_masking: bool | str = "auto"
 
@@ -124,7 +124,7 @@ class RunConfig:
   # read), with model_overrides on top. "": random init.
   init_from: str = ""
   # How the model runs: dispatcher and its options, remat (per layer, or "auto": the cheapest plan that fits the
-  # device, chosen at start by `train.plan` and stored in run_config.json), compute dtype, sharding choices.
+  # device, chosen at start by `train.plan.planner` and stored in run_config.json), compute dtype, sharding choices.
   runtime: RuntimeConfig = RuntimeConfig()
   device_memory_gib: float = 0.0  # per device, for the fit check and `remat: auto`; 0 = the allocator's limit
   # Of that limit, kept free for what XLA's buffer assignment leaves out. On an H200 the compiled step's bytes equal

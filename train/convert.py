@@ -3,7 +3,7 @@
     relaymoe-convert hf-to-orbax HF_DIR OUT_DIR [model.KEY=VALUE ...] [mesh.AXIS=N ...]
     relaymoe-convert orbax-to-hf SOURCE HF_DIR [--step N] [--dtype bfloat16] [--overwrite] [mesh.AXIS=N ...]
 
-`hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf`, shard by shard into the sharded
+`hf-to-orbax` reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory (`models.hf.transfer`, shard by shard into the sharded
 layout) and writes OUT_DIR/model.yaml (the architecture) and OUT_DIR/params (an orbax checkpoint of the parameters),
 which the trainer starts from with `init_from=orbax:OUT_DIR` and which restores in parallel on every host.
 `orbax-to-hf` writes a Hugging Face directory (per-expert layout, `config.json`) from such a directory or from a
@@ -22,9 +22,9 @@ import jax
 import yaml
 
 from models.config import override, parse_assignment
-from models.hf import check_export_target, to_hf
+from models.hf.transfer import check_export_target, to_hf
 from relaymoe_jax.errors import MissingInput, UserError
-from train.checkpoints import Checkpoints, save_params
+from train.rundir.checkpoints import Checkpoints, save_params
 from train.compile import abstract_train_state
 from train.config import MeshConfig
 from train.errors import run_cli

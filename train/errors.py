@@ -5,12 +5,12 @@ import sys
 import traceback
 
 from relaymoe_jax.errors import UserError
-from train.checkpoints import CheckpointSaveFailed, CheckpointUnreadable
+from train.rundir.checkpoints import CheckpointSaveFailed, CheckpointUnreadable
 from train.compile import StepDoesNotFit
-from train.data import DataChanged
+from train.data.batches import DataChanged
 from train.metrics import LogWriteFailed
-from train.preempt import Stopped
-from train.rundir import RunDirectoryError
+from train.rundir.preempt import Stopped
+from train.rundir.directory import RunDirectoryError
 
 BUG_STATUS = 1
 

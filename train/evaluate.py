@@ -1,5 +1,5 @@
 """The held-out loss: the mean next-token cross-entropy over the same `eval.batches` held-out batches each time
-(`train.data.make_sources`), over the targets in their input's document where documents are masked, and its
+(`train.data.batches.make_sources`), over the targets in their input's document where documents are masked, and its
 perplexity. Forward only (the chunked per-token loss head), compiled once, on the training mesh; `relaymoe-train
 --eval-only` evaluates `init_from`'s weights without training."""
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import qwen3
+from models.qwen3 import model as qwen3
 from relaymoe_jax.errors import UserError
-from train.data import batch, make_sources, next_token_inputs
+from train.data.batches import batch, make_sources, next_token_inputs
 from train.mesh import global_batch, run_mesh
 from train.metrics import log_on_process_0
 from train.sources import initial_params, model_config_for

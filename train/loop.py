@@ -12,24 +12,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 import relaymoe_jax as rm
-from models import qwen3
+from models.qwen3 import model as qwen3
 from relaymoe_jax.axes import EXPERT, TENSOR
 from relaymoe_jax.errors import MissingInput
-from train.checkpoints import Checkpoints
+from train.rundir.checkpoints import Checkpoints
 from train.compile import check_fits, compile_step
 from train.config import RunConfig
-from train.data import DataChanged, batch, data_change, data_stamp, make_sources
+from train.data.batches import DataChanged, batch, data_change, data_stamp, make_sources
 from train.evaluate import Evaluator
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
-from train.loss_chunk import resolve_loss_chunk
-from train.remat_auto import resolve_remat, suggest
-from train.preempt import FAILED, NAMES, StopRequest, Stopped
-from train.profile import StepProfiler, check_window
-from train.rundir import RunDirectory
+from train.plan.loss_chunk import resolve_loss_chunk
+from train.plan.remat_auto import resolve_remat, suggest
+from train.rundir.preempt import FAILED, NAMES, StopRequest, Stopped
+from train.profile.window import StepProfiler, check_window
+from train.rundir.directory import RunDirectory
 from train.sources import initial_params, model_config_for
-from train.step_parts import full_op_names
+from train.profile.step_parts import full_op_names
 from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token
 
 
@@ -53,7 +53,7 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False, profile=None):
   outputs unless `overwrite`). Raises FloatingPointError on a non-finite loss, keeping the last good checkpoint,
   `Stopped` after saving a checkpoint on SIGTERM or SIGINT, LogWriteFailed (after saving a checkpoint) when
   metrics.jsonl does not write, and CheckpointSaveFailed when the disk is full. A signal that arrives while the
-  last step's checkpoint is saved lets the save finish: the run is complete. `profile`: a `train.profile.Window`
+  last step's checkpoint is saved lets the save finish: the run is complete. `profile`: a `train.profile.window.Window`
   of steps to trace (the step compiled with `full_op_names`), whose part table is printed when it ends.
   """
   out = pathlib.Path(run_config.out_dir)

@@ -5,7 +5,7 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from models.context_parallel import check_sequence, splits_sequences
+from models.attention.context_parallel import check_sequence, splits_sequences
 from models.sharding import MESH_AXES, TOKEN_AXES, batch_axes, batch_shards, batch_spec
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
@@ -51,7 +51,7 @@ def run_mesh(run_config, devices=None):
 
 
 def global_batch(batch, mesh, runtime):
-  """The same global numpy batch (a dict of arrays, `train.data.documents`) on every process → global arrays whose
+  """The same global numpy batch (a dict of arrays, `train.data.batches.documents`) on every process → global arrays whose
   rows split as the model takes them."""
   sharding = NamedSharding(mesh, batch_spec(runtime))
   return {key: jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for key, a in batch.items()}

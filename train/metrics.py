@@ -15,7 +15,7 @@ from tensorboardX.summary import histogram, scalar
 from tqdm import tqdm
 
 import relaymoe_jax as rm
-from train.rundir import keep_metrics_before
+from train.rundir.directory import keep_metrics_before
 
 # Dense bf16 peak per device, for MFU, by device kind.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}

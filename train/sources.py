@@ -11,12 +11,14 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
-from models import hf, qwen3
+from models.hf import transfer as hf
+from models.qwen3 import model as qwen3
 from models.config import from_mapping, read_yaml
-from models.hf_config import config_from_hf
-from models.qwen3_config import Qwen3MoEConfig, RuntimeConfig, load_config, split_legacy
+from models.qwen3.hf_config import config_from_hf
+from models.qwen3.config import Qwen3MoEConfig, load_config
+from models.runtime import RuntimeConfig, split_legacy
 from relaymoe_jax.errors import MissingInput, UserError
-from train.checkpoints import CheckpointUnreadable, first_line, read_failure
+from train.rundir.checkpoints import CheckpointUnreadable, first_line, read_failure
 from train.config import RunConfig
 
 MODEL_YAML = "model.yaml"

@@ -8,10 +8,10 @@ import optax
 from flax import nnx
 
 import relaymoe_jax as rm
-from models import qwen3
+from models.qwen3 import model as qwen3
 from models.router_state import update_router_biases
 from train.accumulate import accumulated_value_and_grad
-from train.data import next_token_inputs
+from train.data.batches import next_token_inputs
 
 
 class TrainState(NamedTuple):
@@ -45,7 +45,7 @@ def make_optimizer(optim, total_steps):
 
 def loss_fn(params, graphdef, batch, model_config, fraction_E=None, ce_weight=None):
   """Next-token cross-entropy (float32, chunked: the full logits never exist; its gradient computed in the forward)
-  over the targets in their input's document (`batch`: `train.data.documents`), plus the router losses, as
+  over the targets in their input's document (`batch`: `train.data.batches.documents`), plus the router losses, as
   configured; parts: ce, the router losses and "moe" (every MoE layer's `rm.MoEAux`,
   stacked; None without MoE layers). `fraction_E`: for one micro-batch of several (`train.accumulate`), the whole
   batch's f_e (averaged over MoE layers), which the load-balancing loss then takes with this micro-batch's P_e;
@@ -85,7 +85,7 @@ def expert_load_metrics(moe):
 
 def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, micro_batches=1,
                     param_shardings=None):
-  """train_step(state, batch) -> (state, metrics) (`batch`: `train.data.documents`); jit it with the state donated.
+  """train_step(state, batch) -> (state, metrics) (`batch`: `train.data.batches.documents`); jit it with the state donated.
   `micro_batches` > 1: gradient accumulation (`train.accumulate`; `param_shardings` place its float32 sums).
   `runtime`: the model's (needed with a router bias, `router_bias_update_rate`, to find each layer's bias)."""
 
@@ -95,7 +95,7 @@ def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, m
     else:
       (loss, parts), grads = accumulated_value_and_grad(loss_fn, state.params, graphdef, batch, model_config,
                                                         micro_batches, param_shardings)
-    with jax.named_scope("optimizer"):  # the step profile's part (`train.step_parts`)
+    with jax.named_scope("optimizer"):  # the step profile's part (`train.profile.step_parts`)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       moe = parts.pop("moe")

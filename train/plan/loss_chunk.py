@@ -1,0 +1,81 @@
+"""`runtime.loss_chunk_tokens: auto` for the trainer: the largest loss-head chunk whose compiled step needs no more
+memory per device than the step at the default chunk, so that the remat plan and its peak stay as they are.
+
+The loss head's chunk (`models.loss.mean_cross_entropy`) holds [chunk, V] float32 logits and their bf16 gradient;
+larger chunks launch fewer, larger matmuls and re-read the float32 head-gradient accumulator less often. Whether a
+chunk's buffers raise the step's peak depends on what else is live at the end of the forward (the layers'
+residuals, the first backward layer's temporaries), which only XLA's buffer assignment knows: so each candidate,
+the default doubled up to the tokens per device, is compiled from shapes alone for its memory (on GPUs without the
+autotuner, `train.compile.MEMORY_ONLY_OPTIONS`), in a binary search (the bytes grow with the chunk).
+"""
+
+import dataclasses
+
+from models.runtime import DEFAULT_LOSS_CHUNK_TOKENS, LOSS_CHUNK_AUTO
+from train.compile import compile_step, memory_plan
+from train.mesh import build_mesh, token_shards
+from train.metrics import log_on_process_0, size
+
+# A step compiled with the autotuner and one compiled without differ by a few KB (train.compile); more is a change.
+SAME_BYTES = 1 << 20
+
+
+def with_loss_chunk(run_config, chunk_tokens):
+  return dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime,
+                                                                     loss_chunk_tokens=chunk_tokens))
+
+
+def candidates(run_config, devices=None):
+  """The chunks above the default to try: the default doubled while below the tokens per device, then those."""
+  tokens = run_config.batch_size * run_config.seq_len // token_shards(build_mesh(run_config.mesh, devices))
+  chunks = []
+  chunk = 2 * DEFAULT_LOSS_CHUNK_TOKENS
+  while chunk < 2 * tokens:
+    chunks.append(min(chunk, tokens))
+    chunk *= 2
+  return chunks
+
+
+def widest(base_bytes, chunks, bytes_of):
+  """The largest of `chunks` (ascending) with bytes_of(chunk) ≤ base_bytes (+ SAME_BYTES), else the default;
+  bytes_of is asked about as few as a binary search needs."""
+  lo, hi, best = 0, len(chunks) - 1, DEFAULT_LOSS_CHUNK_TOKENS
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    if bytes_of(chunks[mid]) <= base_bytes + SAME_BYTES:
+      best, lo = chunks[mid], mid + 1
+    else:
+      hi = mid - 1
+  return best
+
+
+def searches(run_config, devices=None):
+  """Whether `resolve_loss_chunk` will compile candidates for this run."""
+  return run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO and bool(candidates(run_config, devices))
+
+
+def resolve_loss_chunk(run_config, step=None, devices=None, log=log_on_process_0, base_bytes=None):
+  """(the run with `loss_chunk_tokens: auto` replaced by its chunk, the CompiledStep to run it or None where it
+  must be compiled); other runs unchanged. `step`: the run's step compiled already (at the default chunk);
+  `base_bytes`: that step's bytes per device where known (the remat plan's), so that none need be compiled."""
+  if run_config.runtime.loss_chunk_tokens != LOSS_CHUNK_AUTO:
+    return run_config, step
+  base = with_loss_chunk(run_config, DEFAULT_LOSS_CHUNK_TOKENS)
+  chunks = candidates(run_config, devices)
+  if not chunks:
+    return base, step
+  if base_bytes is None:
+    step = step or compile_step(base, devices)
+    base_bytes = memory_plan(base, step)["total_bytes"]
+
+  def bytes_of(chunk):
+    config = with_loss_chunk(run_config, chunk)
+    total = memory_plan(config, compile_step(config, devices, memory_only=True))["total_bytes"]
+    log(f"  loss chunk {chunk} tokens: {size(total)} per device ({size(base_bytes)} at "
+        f"{DEFAULT_LOSS_CHUNK_TOKENS})")
+    return total
+
+  chunk = widest(base_bytes, chunks, bytes_of)
+  log(f"loss chunk auto: {chunk} tokens per device (of {DEFAULT_LOSS_CHUNK_TOKENS} to {chunks[-1]}, the largest whose "
+      "step needs no more memory)")
+  return (base, step) if chunk == DEFAULT_LOSS_CHUNK_TOKENS else (with_loss_chunk(run_config, chunk), None)
