@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_close, mesh_of
 from models.qwen3 import model as qwen3
-from models.loss import chunked_cross_entropy, mean_cross_entropy
+from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import load_config
 from models.runtime import DEFAULT_LOSS_CHUNK_TOKENS, RuntimeConfig
 from train.compile import memory_plan
@@ -93,6 +93,30 @@ def test_mean_loss_with_its_gradient_from_the_forward_equals_the_plain_loss(case
   for name, a, r in zip(("dx", "dhead"), grads, ref_grads):
     assert a.dtype == r.dtype, name
     assert_close(a, r, LOSS_RTOL, name)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["tokens", "context-parallel"])
+def test_mean_loss_over_counted_targets_is_optax_weighted_mean(case):
+  """With 0/1 `weights_BS` (packed documents' targets): Σ w · ce / Σ w, its value (alone and differentiated) and
+  its gradients from the forward, against optax's over full float32 logits; and the full-logits path's. A weight
+  left out of the sum, the count or the gradient fails here."""
+  x, head, labels, options = _case(*case)
+  weights = jnp.asarray(np.random.default_rng(2).random(labels.shape) < 0.7, jnp.float32)
+  assert 0 < float(weights.sum()) < weights.size
+
+  def ref(x, head):
+    return 3 * jnp.sum(_plain(x, head, labels) * weights) / jnp.sum(weights)
+
+  def ours(x, head):
+    return 3 * mean_cross_entropy(x, head, labels, weights_BS=weights, **options)
+
+  assert_close(jax.jit(ours)(x, head), ref(x, head), LOSS_RTOL, "loss")
+  (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, head) for f in (ours, ref))
+  assert_close(value, ref_value, LOSS_RTOL, "loss, differentiated")
+  for name, a, r in zip(("dx", "dhead"), grads, ref_grads):
+    assert_close(a, r, LOSS_RTOL, name)
+  logits = jnp.dot(x, head, precision="highest")
+  assert_close(plain_mean_cross_entropy(logits, labels, weights), ref(x, head) / 3, LOSS_RTOL, "full logits")
 
 
 def test_mean_loss_runs_three_bf16_matmuls_and_copies_nothing_per_chunk():
