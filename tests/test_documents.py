@@ -27,7 +27,7 @@ from models.attention.context_parallel import XLA_TILES, balanced_order, context
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
-from train.data.batches import DataChanged, documents, make_sources
+from train.data.batches import DataChanged, documents, make_sources, next_token_inputs
 from train.loop import run
 from train.mesh import build_mesh
 
@@ -123,6 +123,28 @@ def test_segments_and_positions_restart_after_each_eos():
   np.testing.assert_array_equal(batch["segment_ids"], [[0, 0, 0, 1, 1, 2, 3]])
   np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 0, 1, 0, 0]])
   assert set(documents(np.zeros((1, 3), np.int32), eos=None)) == {"tokens"}
+
+
+def test_the_target_after_each_eos_leaves_the_loss():
+  """`next_token_inputs`' weights: 0 exactly where the input is an EOS (its target starts the next document)."""
+  tokens = np.array([[5, 9, 0, 7, 0, 0, 3, 4], [1, 2, 3, 4, 5, 6, 7, 0]])
+  inputs, labels, kwargs = next_token_inputs(documents(tokens, eos=0))
+  np.testing.assert_array_equal(labels, tokens[:, 1:])
+  np.testing.assert_array_equal(kwargs["weights_BS"], tokens[:, :-1] != 0)
+  np.testing.assert_array_equal(kwargs["segment_ids_BS"], [[0, 0, 0, 1, 1, 2, 3], [0] * 7])
+  assert set(next_token_inputs(documents(tokens, eos=None))[2]) == set()
+
+
+def test_xla_attention_keeps_each_query_in_its_document():
+  """`models.attention.causal.attention` (XLA) of a packed row: each document's output is that of the document
+  alone, the first document's and the last's, where every earlier key would otherwise be seen."""
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 12, h, 8)), jnp.float32) for h in (4, 2, 2))
+  segments = jnp.asarray([[0] * 5 + [1] * 3 + [2] * 4], jnp.int32)
+  packed = attention(q, k, v, 8 ** -0.5, "xla", "cpu", segment_ids_BS=segments)
+  for start, stop in ((0, 5), (5, 8), (8, 12)):
+    alone = attention(q[:, start:stop], k[:, start:stop], v[:, start:stop], 8 ** -0.5, "xla", "cpu")
+    assert_close(packed[:, start:stop], alone, 1e-6, f"document [{start}, {stop})")
 
 
 def test_packed_layout_lists_each_rows_documents_and_whether_they_fit():
