@@ -81,6 +81,26 @@ def test_per_micro_batch_load_balancing_would_differ():
   assert err > 1e-4, err
 
 
+def test_micro_batches_weigh_their_cross_entropy_by_their_counted_targets():
+  """Default-run version of the documents case above, on one device and one layer (no load-balancing loss, so no
+  counting pass): micro-batches holding different numbers of counted targets (EOS in two rows of one) still give
+  the whole batch's cross-entropy and gradients, which a plain mean over micro-batches would not."""
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  config = load_config("tiny", num_hidden_layers=1, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+  graphdef, state = nnx.split(qwen3.create_sharded(config, mesh, seed=3, runtime=F32))
+  params = nnx.to_pure_dict(state)
+  tokens_BS1 = np.random.default_rng(0).integers(1, config.vocab_size, (4, 17))
+  tokens_BS1[0, 2:16:2] = 0  # row 0 (micro-batch 0 of 2) loses 7 of its 16 targets
+  batch = global_batch(train_data.documents(tokens_BS1, 0), mesh, F32)
+  (loss, parts), grads = jax.jit(lambda p, t: jax.value_and_grad(loss_fn, has_aux=True)(p, graphdef, t, config))(
+      params, batch)
+  (acc_loss, acc_parts), acc_grads = jax.jit(
+      lambda p, t: accumulated_value_and_grad(loss_fn, p, graphdef, t, config, 2))(params, batch)
+  assert abs(float(acc_parts["ce"]) - float(parts["ce"])) <= 1e-5 * float(parts["ce"])
+  assert abs(float(acc_loss) - float(loss)) <= 1e-5 * float(loss)
+  assert_close(acc_grads, grads, 1e-5, "gradients")
+
+
 def test_micro_batches_take_every_shards_rows_evenly():
   tokens = np.arange(8 * 3).reshape(8, 3)
   micro = np.asarray(micro_batches_of(jnp.asarray(tokens), 4))
