@@ -254,13 +254,26 @@ class _Segments(NamedTuple):
     return _rows(self.own_BS, t, tile)[:, :, None] == _key_rows(self.all_BS, w, tile, ring)[:, None, :]
 
   def first_key_tile(self, t, tile, ring):
-    """The first key tile that query tile t's first document reaches, in every row: those before it are skipped
-    (segment ids never decrease along a sequence)."""
-    tiles = self.all_BS.shape[1] // tile
-    last_BW = self.all_BS[:, _held_offset(jnp.arange(tiles), tile, self.all_BS.shape[1] // (2 * ring), ring)
-                          + tile - 1]
-    before_B = jnp.sum(last_BW < _rows(self.own_BS, t, tile)[:, :1], axis=1)
-    return jnp.min(before_B)
+    return first_key_tile(self.all_BS, _rows(self.own_BS, t, tile)[:, 0], tile, ring)
+
+
+def first_key_tile(all_BS, first_segment_B, tile, ring):
+  """The first key tile that a query tile whose first tokens are in segments `first_segment_B` reaches, in every
+  row (`all_BS`: every device's segment ids, in the devices' order): those before it are skipped (segment ids never
+  decrease along a sequence)."""
+  tiles = all_BS.shape[1] // tile
+  last_BW = all_BS[:, _held_offset(jnp.arange(tiles), tile, all_BS.shape[1] // (2 * ring), ring) + tile - 1]
+  return jnp.min(jnp.sum(last_BW < first_segment_B[:, None], axis=1))
+
+
+def skipped_tiles(segment_ids_BS, ring, tile):
+  """Per device, the (query tile, key tile) pairs of its causal prefix that the tile loop skips for these segment
+  ids ([B, S] in sequence order; `tile` divides the chunk): each query tile's key tiles before `first_key_tile`.
+  With `key_tiles_per_device`, what the loop computes."""
+  held_BS = np.asarray(segment_ids_BS)[:, balanced_order(segment_ids_BS.shape[1], ring)]
+  rows = held_BS.shape[1] // ring
+  return [sum(int(first_key_tile(held_BS, held_BS[:, d * rows + t], tile, ring)) for t in range(0, rows, tile))
+          for d in range(ring)]
 
 
 def _segments(segments_BS):
