@@ -16,8 +16,8 @@ from flax import nnx
 
 from conftest import assert_close, requires_devices
 from models.qwen3 import model as qwen3
-from models.attention.context_parallel import (balanced_order, context_attention, key_tiles_per_device, tile_rows,
-                                     to_held_order, to_sequence_order)
+from models.attention.context_parallel import (XLA_TILES, balanced_order, context_attention, key_tiles_per_device,
+                                               skipped_tiles, tile_rows, to_held_order, to_sequence_order)
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from models.sharding import MESH_AXES
@@ -242,3 +242,56 @@ def test_the_model_names_a_sequence_or_kernel_that_cannot_attend(changes, seq_le
   model = qwen3.create_sharded(config, mesh, runtime=dataclasses.replace(F32, context_parallel=True, **changes))
   with pytest.raises(ValueError, match=message):
     model(jnp.zeros((2, seq_len), jnp.int32))
+
+
+def test_skipped_tiles_counts_what_a_document_cannot_see():
+  """`skipped_tiles` by hand: one document skips nothing; documents within a tile skip every key tile before the
+  query tile's (4 devices, chunks of 8, tiles of 4: 16 query tiles)."""
+  s, ring, tile = 64, 4, 4
+  assert skipped_tiles(np.zeros((2, s), np.int32), ring, tile) == [0] * ring
+  within = np.broadcast_to(np.arange(s) // tile, (2, s))  # every tile a document: every key tile before it skipped
+  query_tiles = s // ring // tile  # each computes its diagonal pair only
+  assert skipped_tiles(within, ring, tile) == [n - query_tiles for n in key_tiles_per_device(s, ring, tile)]
+  late = within.copy()
+  late[1] = 0  # a row of one document: no row skips anything (the skip holds for every row of the batch)
+  assert skipped_tiles(late, ring, tile) == [0] * ring
+  halves = np.broadcast_to(np.arange(s) // (s // 2), (1, s))  # two documents: the second's tiles skip the first's
+  assert sum(skipped_tiles(halves, ring, tile)) == (s // 2 // tile) ** 2
+
+
+def test_context_parallel_tile_loop_skips_the_tiles_it_counts():
+  """The tile loop's kernel calls, forward and backward, per device: its causal pairs less `skipped_tiles`; and
+  the output and gradients are still the masked whole-row attention's."""
+  requires_devices(4)
+  s, ring, tile = 64, 4, 4
+  mesh = build_mesh(MeshConfig(data=1, expert=ring), jax.devices()[:ring])
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(1, s, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
+  segments = np.repeat(np.arange(s // 6 + 1), 6)[None, :s].astype(np.int32)  # documents of 6 tokens
+  calls = {"forward": 0, "backward": 0}
+
+  def counted(name, kernel):
+    def call(*args, **kwargs):
+      jax.debug.callback(lambda: calls.__setitem__(name, calls[name] + 1))
+      return kernel(*args, **kwargs)
+    return call
+
+  kernels = XLA_TILES._replace(forward=counted("forward", XLA_TILES.forward),
+                               backward=counted("backward", XLA_TILES.backward))
+  order = balanced_order(s, ring)
+
+  def sharded(q, k, v):
+    return context_attention(q[:, order], k[:, order], v[:, order], mesh=mesh, scale=8 ** -0.5, kernels=kernels,
+                             tile=tile, segment_ids_BS=jnp.asarray(segments[:, order]))[:, np.argsort(order)]
+
+  out, vjp = jax.vjp(jax.jit(sharded), q, k, v)
+  grads = vjp(do)
+  jax.block_until_ready(grads)
+  expected = sum(key_tiles_per_device(s, ring, tile)) - sum(skipped_tiles(segments, ring, tile))
+  assert sum(skipped_tiles(segments, ring, tile)) > 0
+  assert calls == {"forward": expected, "backward": expected}, (calls, expected)
+  mask = jnp.asarray(segments[:, None, :, None] == segments[:, None, None, :])
+  ref, ref_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=8 ** -0.5,
+                                                                     is_causal=True), q, k, v)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_vjp(do))):
+    assert_close(g, r, 1e-5, name)
