@@ -79,13 +79,26 @@ GRID = [((8,), E_ONLY, 16, 8, True, {}), ((4, 2), DATA_EXPERT, 16, 4, True, {"ch
         ((2, 2, 2), ETP_NAMES, 8, 2, False, {"tensor_axis": rm.TENSOR})]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(GRID)), ids=["8-skew", "4x2-dp-ladder", "2x2x2-etp"])
-@pytest.mark.parametrize("dispatcher, options", [
-    ("ring_expert", {}), pytest.param("ring_expert", {"keep_gate_up": True}, id="ring_expert-keep_gate_up"),
-    pytest.param("ring_expert", {"reverse_backward": True}, id="ring_expert-reverse_backward"), ("ring_token", {}),
-    ("auto", {}), ("all_to_all", {})], ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("activation", activations.ACTIVATIONS)
+GRID_IDS = ["8-skew", "4x2-dp-ladder", "2x2x2-etp"]
+GRID_DISPATCHERS = [("ring_expert", {}), ("ring_expert", {"keep_gate_up": True}),
+                    ("ring_expert", {"reverse_backward": True}), ("ring_token", {}), ("auto", {}), ("all_to_all", {})]
+
+
+def _grid_params():
+  """CI's slow step: each dispatcher once, the activations and grid cases in turn (6 of 72); the rest is
+  `pytest -m full_grid`."""
+  params = []
+  for i, (dispatcher, options) in enumerate(GRID_DISPATCHERS):
+    for a, activation in enumerate(activations.ACTIVATIONS):
+      for case in range(len(GRID)):
+        representative = a == i % len(activations.ACTIVATIONS) and case == i % len(GRID)
+        name = "-".join([activation, dispatcher, *options, GRID_IDS[case]])
+        params.append(pytest.param(activation, dispatcher, options, case, id=name,
+                                   marks=pytest.mark.slow if representative else pytest.mark.full_grid))
+  return params
+
+
+@pytest.mark.parametrize("activation, dispatcher, options, case", _grid_params())
 def test_activation_grid_matches_oracle(activation, dispatcher, options, case):
   shape, names, e, k, skew, more = GRID[case]
   if "chunk_rows" in more and dispatcher == "all_to_all":
@@ -95,9 +108,9 @@ def test_activation_grid_matches_oracle(activation, dispatcher, options, case):
                                   activation=activation, **inputs, **options, **more)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "ring_token", "all_to_all"])
-@pytest.mark.parametrize("activation", OTHERS)
+@pytest.mark.parametrize("activation, dispatcher", [  # CI's slow step: each activation once; `-m full_grid`: all
+    pytest.param(a, d, marks=pytest.mark.slow if i == j else pytest.mark.full_grid, id=f"{a}-{d}")
+    for i, a in enumerate(OTHERS) for j, d in enumerate(["ring_expert", "ring_token", "all_to_all"])])
 def test_bfloat16_activation_matches_oracle(activation, dispatcher):
   rmt.assert_matches_dense_oracle(mesh=mesh_of((2, 4), DATA_EXPERT), dispatcher=dispatcher, rtol=BF16_RTOL,
                                   activation=activation, **_inputs(activation, dtype=jnp.bfloat16))
