@@ -8,6 +8,10 @@ A tiny one-layer model (dense dispatcher: the MoE math is tested elsewhere), flo
 
 import dataclasses
 import functools
+import json
+import math
+import pathlib
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tensorboardX.proto import event_pb2
 
 from conftest import requires_devices
 from models.qwen3 import model as qwen3
@@ -22,8 +27,9 @@ from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
 from train.data.batches import SyntheticLanguage, TokenWindows
-from train.evaluate import Evaluator
+from train.evaluate import Evaluator, evaluate_only
 from train.mesh import build_mesh
+from train.metrics import MetricsLog
 
 EOS, B, S, BATCHES = 0, 8, 32, 3
 CONFIG = load_config("tiny", num_hidden_layers=1)
@@ -93,3 +99,39 @@ def test_eval_loss_under_context_parallelism_is_the_oracles(documents):
   runtime = dataclasses.replace(F32, context_parallel=True)
   graphdef = qwen3.abstract(CONFIG, mesh, runtime=runtime)[0]
   _check(Evaluator(_run_config(documents, runtime), source, graphdef, state, mesh)(state), loss, counted)
+
+
+def test_eval_only_prints_its_line_and_writes_eval_json(tmp_path, capsys):
+  """`relaymoe-train --eval-only` (`evaluate_only`) of a Hugging Face checkpoint: the returned values, eval.json and
+  the printed line agree, over the synthetic language's held-out batches (every target counted)."""
+  requires_devices(8)
+  config = RunConfig(init_from=f"hf:{pathlib.Path(__file__).parent / 'fixtures/hf/qwen3_moe'}", runtime=F32,
+                     mesh=MeshConfig(data=2, expert=4), batch_size=B, seq_len=16, out_dir=str(tmp_path / "out"),
+                     eval=EvalConfig(batches=2), tensorboard=False)
+  values = evaluate_only(config)
+  written = json.loads((tmp_path / "out" / "eval.json").read_text())
+  assert written == dict(init_from=config.init_from, **values)
+  assert values["eval_tokens"] == 2 * B * 16 and 0 < values["eval_loss"] < 2 * math.log(96)
+  assert abs(values["eval_ppl"] - math.exp(values["eval_loss"])) <= 1e-9 * values["eval_ppl"]
+  line = (f"eval: loss {values['eval_loss']:.4f} perplexity {values['eval_ppl']:.2f} over {2 * B * 16} tokens of 2 "
+          f"batches ({values['eval_s']:.1f} s)")
+  assert line in capsys.readouterr().out.splitlines()
+
+
+def test_eval_rows_reach_tensorboard_and_metrics_jsonl(tmp_path):
+  """The loop's held-out record (`MetricsLog.write(dict(step=..., **evaluator(params)))`): one metrics.jsonl row
+  and TensorBoard scalars eval_loss, eval_ppl, eval_tokens and eval_s at its step."""
+  values = dict(eval_loss=2.5, eval_ppl=math.exp(2.5), eval_tokens=256, eval_s=0.25)
+  log = MetricsLog(tmp_path, total_steps=10, start_step=0, tensorboard=True)
+  log.write(dict(step=4, **values))
+  log.tensorboard.close()
+  assert json.loads((tmp_path / "metrics.jsonl").read_text()) == dict(step=4, **values)
+  scalars = {}
+  for path in (tmp_path / "tensorboard").rglob("events*"):
+    data = path.read_bytes()
+    while data:
+      (length,) = struct.unpack("<Q", data[:8])
+      event = event_pb2.Event.FromString(data[12:12 + length])
+      data = data[12 + length + 4:]
+      scalars |= {(event.step, v.tag): v.simple_value for v in event.summary.value}
+  assert {(4, k): pytest.approx(v) for k, v in values.items()} == scalars
