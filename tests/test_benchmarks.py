@@ -436,6 +436,10 @@ def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
   result = json.loads(out.read_text())
   for run in result["runs"].values():
     assert run["tokens_per_s"] > 0 and run["eval_tokens"] > 0 and np.isfinite(run["eval_loss"]), run
+  masked, unmasked = result["runs"]["true"], result["runs"]["false"]
+  # Masking leaves the target after each EOS out of the held-out loss (documents of ~64 tokens: ~1/64 of them).
+  assert 0.9 * unmasked["eval_tokens"] < masked["eval_tokens"] < unmasked["eval_tokens"], (masked, unmasked)
+  assert 0 < masked["eval_loss"] < 2 * np.log(500) and 0 < unmasked["eval_loss"] < 2 * np.log(500), result
   lines = out.with_suffix(".txt").read_text().splitlines()
   assert lines[0].startswith("# python -m benchmarks.documents --config cpu ") and " jax " in lines[1]
   assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d", lines[-1])
