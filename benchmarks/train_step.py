@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from models.qwen3.model import Qwen3MoE, mean_over_targets
+from models.loss import mean_over_targets
+from models.qwen3.model import Qwen3MoE
 from train import cli
 from train.profile.step_parts import render
 

@@ -164,7 +164,7 @@ def parse_assignment(assignment):
 def read_yaml(path_or_name, subdir):
   """A YAML mapping from a file path, or from configs/<subdir>/<name>.yaml."""
   path = pathlib.Path(path_or_name)
-  if not path.suffix:
+  if path.suffix not in (".yaml", ".yml"):  # a name ("qwen3.5-35b-a3b" has a dot too)
     path = CONFIG_DIR / subdir / f"{path_or_name}.yaml"
   if not path.exists():
     known = sorted(p.stem for p in (CONFIG_DIR / subdir).glob("*.yaml"))

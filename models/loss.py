@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.kernels.grouped_matmul import matmul_precision
@@ -292,3 +293,13 @@ def _label_logit(logits_BRV, labels_BR):
   inside_BR = (labels_BR >= 0) & (labels_BR < logits_BRV.shape[-1])
   picked_BR = jnp.take_along_axis(logits_BRV, jnp.clip(labels_BR, 0, logits_BRV.shape[-1] - 1)[..., None], -1)
   return jnp.where(inside_BR, picked_BR[..., 0], 0.0)
+
+
+def plain_mean_cross_entropy(logits_BSV, labels_BS, weights_BS=None):
+  """The mean cross-entropy over the counted targets, from full logits (`loss_chunk_tokens=0`)."""
+  return mean_over_targets(optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS), weights_BS)
+
+
+def mean_over_targets(ce_BS, weights_BS=None):
+  """The mean of per-target losses over the counted targets (`weights_BS`, 0 or 1 each; None: all)."""
+  return ce_BS.mean() if weights_BS is None else jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1)

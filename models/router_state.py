@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import relaymoe_jax as rm
-from models.qwen3.config import layer_groups
 
 BIAS = "router_bias_E"  # the MoE module's attribute (stacked layers: [layers, E])
 
@@ -44,14 +43,15 @@ def update_router_biases(params, previous, counts_YE, config, runtime):
   step's parameters) moved by `config.router_bias_update_rate` × sign(mean load − load): whatever the optimizer
   did to it is dropped. `counts_YE`: the step's pairs per expert of each MoE layer, in layer order."""
   sparse = [layer for layer in range(config.num_hidden_layers) if config.is_sparse(layer)]
-  groups = layer_groups(config, runtime)
+  groups = config.layer_groups(runtime)
 
   def update(path, new, old):
     if not _is_bias(path):
       return new
-    first, count = groups[path[1].key]
-    start = sparse.index(first)
-    counts = counts_YE[start:start + count] if old.ndim == 2 else counts_YE[start]
+    group = groups[path[1].key]
+    offset = path[4].key if group.period > 1 else 0  # [layers, g, stacked, layers, offset, ...] in a block
+    rows = jnp.array([sparse.index(layer) for layer in group.layers(offset)])
+    counts = counts_YE[rows] if old.ndim == 2 else counts_YE[rows[0]]
     return rm.update_router_bias(old, counts, config.router_bias_update_rate)
 
   return jax.tree_util.tree_map_with_path(update, params, previous)

@@ -3,6 +3,7 @@ layer scan, compute dtype), whatever its family; a run config holds it and the p
 changes what the model computes (up to the compute dtype's rounding)."""
 
 import dataclasses
+from typing import NamedTuple
 
 import relaymoe_jax as rm
 from relaymoe_jax.errors import UserError
@@ -91,3 +92,16 @@ def split_legacy(data):
   `model.yaml` of `relaymoe-convert`, the `model` of a run's `run_config.json`): runtime keys move out."""
   return ({k: v for k, v in data.items() if k not in RUNTIME_FIELDS},
           {k: v for k, v in data.items() if k in RUNTIME_FIELDS})
+
+
+class LayerGroup(NamedTuple):
+  """Layers a model runs together: `count` repeats of a unit of `period` consecutive layers from `first` (one
+  `LayerStack` under `scan_layers`; a lone layer is a group of one)."""
+  first: int
+  count: int
+  period: int = 1
+
+  def layers(self, offset=0):
+    """The layers at `offset` in each repeat of the unit, in order."""
+    return [self.first + i * self.period + offset for i in range(self.count)]
+

@@ -31,6 +31,9 @@ PARAM_SPECS = {
     "router_DE": P(None, None), "shared_gate_D1": P(FSDP, None),
     "experts_in_EDF": P(EXPERT, None, ETP), "experts_out_EFD": P(EXPERT, ETP, None),
     "lm_head_DV": P(FSDP, TENSOR),
+    # Gated DeltaNet (Qwen3.5): replicated over 'tensor' (its heads are not split yet).
+    "delta_in_DC": P(FSDP, None), "delta_out_CD": P(None, FSDP), "delta_conv_CW": P(None, None),
+    "delta_head_Q": P(None),
 }
 
 
@@ -82,12 +85,17 @@ SPLIT_BY = {FSDP: lambda mesh: "runtime.fsdp=true", ETP: lambda mesh: "runtime.m
 
 def make_param(config, runtime, mesh, rngs, role, shape, init="normal"):
   """An `nnx.Param` of `role` (`PARAM_SPECS`) on the model's `mesh`, whichever mesh context the caller is in."""
-  initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros}.get(
+  initializer = {"ones": nnx.initializers.ones, "zeros": nnx.initializers.zeros, "a_log": _log_uniform(1.0, 16.0)}.get(
       init, nnx.initializers.normal(config.initializer_range))
   spec = tuple(param_spec(role, runtime, mesh, shape))
   key = jax.device_put(rngs.params(), NamedSharding(mesh, P()))  # from a caller's context mesh onto the model's
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # where the parameter's sharding constraint is
     return nnx.Param(initializer(key, shape, jnp.dtype(config.param_dtype)), out_sharding=spec, mesh=mesh)
+
+
+def _log_uniform(low, high):
+  """log U(low, high): a Gated DeltaNet's A_log (its decay rates between `low` and `high`)."""
+  return lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high)).astype(dtype)
 
 
 def model_mesh(mesh):

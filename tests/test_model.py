@@ -117,8 +117,8 @@ def test_layer_kinds_follow_sparse_step_and_mlp_only_layers(mesh, scan_layers):
 def test_layer_groups_split_at_every_change_of_kind():
   config = load_config("tiny", num_hidden_layers=7, mlp_only_layers=[2])
   runtime = RuntimeConfig(remat=("none",) * 3 + ("attention",) * 2 + ("none",) * 2)
-  assert layer_groups(config, runtime) == [(0, 2), (2, 1), (3, 2), (5, 2)]
-  assert layer_groups(config, dataclasses.replace(runtime, scan_layers=False)) == [(i, 1) for i in range(7)]
+  assert layer_groups(config, runtime) == [(0, 2, 1), (2, 1, 1), (3, 2, 1), (5, 2, 1)]
+  assert layer_groups(config, dataclasses.replace(runtime, scan_layers=False)) == [(i, 1, 1) for i in range(7)]
 
 
 def _spec(p):
@@ -162,11 +162,11 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(mesh):
   scanned = dataclasses.replace(runtime, scan_layers=True)
   stacked = lambda layers: jax.tree.map(lambda *p: jnp.stack(p), *layers)  # noqa: E731
   scanned_params = dict(params, layers={g: {qwen3.STACKED: stacked([params["layers"][i] for i in range(f, f + n)])}
-                                        for g, (f, n) in enumerate(layer_groups(config, scanned))})
+                                        for g, (f, n, _) in enumerate(layer_groups(config, scanned))})
   value, scanned_grads = _loss_and_grads(config, scanned, mesh, tokens, scanned_params)
   assert abs(float(value) - float(unrolled_value)) <= 1e-6 * abs(float(unrolled_value))
   expected = dict(unrolled, layers={g: {qwen3.STACKED: stacked([unrolled["layers"][i] for i in range(f, f + n)])}
-                                    for g, (f, n) in enumerate(layer_groups(config, scanned))})
+                                    for g, (f, n, _) in enumerate(layer_groups(config, scanned))})
   flat = jax.tree_util.tree_leaves_with_path(scanned_grads)
   ref_flat = jax.tree_util.tree_leaves_with_path(expected)
   assert [p for p, _ in flat] == [p for p, _ in ref_flat]

@@ -25,4 +25,4 @@ def test_wheel_ships_every_config(tmp_path):
   names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
   configs = {f"configs/{p.relative_to(CONFIG_DIR).as_posix()}" for p in CONFIG_DIR.rglob("*.yaml")}
   assert configs and configs <= names, sorted(configs - names)
-  assert "relaymoe_jax/mosaic_gpu_tiles.json" in names
+  assert "relaymoe_jax/kernels/mosaic_gpu_tiles.json" in names

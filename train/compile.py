@@ -12,8 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-from models.qwen3 import model as qwen3
-from models.qwen3.config import Qwen3MoEConfig
+from models import families
 from models.runtime import RuntimeConfig
 from models.sharding import batch_spec
 from relaymoe_jax.kernels import mosaic_gpu
@@ -43,7 +42,7 @@ def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings,
 def abstract_train_state(model_config, runtime, mesh, optimizer, seed=0):
   """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
   allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
-  graphdef, state = qwen3.abstract(model_config, mesh, seed, runtime=runtime)
+  graphdef, state = families.abstract(model_config, mesh, seed, runtime=runtime)
   params = nnx.to_pure_dict(state)
   param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
   replicated = NamedSharding(mesh, P())
@@ -64,7 +63,7 @@ class CompiledStep(NamedTuple):
   graphdef: nnx.GraphDef
   state: TrainState  # ShapeDtypeStructs with the shardings the real state gets
   mesh: jax.sharding.Mesh
-  model_config: Qwen3MoEConfig
+  model_config: object  # the family's architecture config
   runtime: RuntimeConfig
   compile_s: float
 

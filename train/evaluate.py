@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.qwen3 import model as qwen3
+from models import families
 from relaymoe_jax.errors import UserError
 from train.data.batches import batch, make_sources, next_token_inputs
 from train.mesh import global_batch, run_mesh
@@ -64,7 +64,7 @@ def evaluate_only(run_config):
                            held_out=True)
   mesh = run_mesh(run_config)
   params = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)
-  graphdef = qwen3.abstract(model_config, mesh, runtime=run_config.runtime)[0]
+  graphdef = families.abstract(model_config, mesh, runtime=run_config.runtime)[0]
   values = Evaluator(run_config, source, graphdef, params, mesh)(params)
   if jax.process_index() == 0:
     out = pathlib.Path(run_config.out_dir)

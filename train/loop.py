@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import relaymoe_jax as rm
-from models.qwen3 import model as qwen3
+from models import families
 from relaymoe_jax.axes import EXPERT, TENSOR
 from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
@@ -108,8 +108,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
   if run_config.init_from and not resume:
     params = initial_params(run_config.init_from, model_config, runtime, mesh)
   else:  # a resumed run's parameters come from its checkpoint
-    params = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=run_config.seed,
-                                                             runtime=runtime))[1])
+    params = nnx.to_pure_dict(nnx.split(families.create_sharded(model_config, mesh, seed=run_config.seed,
+                                                                runtime=runtime))[1])
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   # Eager init: zeros_like keeps each parameter's sharding for its optimizer moments (a jitted init would not).
   state = on_mesh(TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)), mesh)

@@ -11,11 +11,9 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
+from models import families
 from models.hf import transfer as hf
-from models.qwen3 import model as qwen3
 from models.config import from_mapping, read_yaml
-from models.qwen3.hf_config import config_from_hf
-from models.qwen3.config import Qwen3MoEConfig, load_config
 from models.runtime import RuntimeConfig, split_legacy
 from relaymoe_jax.errors import MissingInput, UserError
 from train.rundir.checkpoints import CheckpointUnreadable, first_line, read_failure
@@ -28,19 +26,19 @@ PARAMS = "params"
 CONVERTED_RUNTIME = RuntimeConfig()
 
 
-def model_config_for(run: RunConfig) -> Qwen3MoEConfig:
+def model_config_for(run: RunConfig):
   """The architecture a run trains: its `model` (a name or a YAML path) or, with `init_from`, the source's; the
   run's `model_overrides` on top. The one place a run's model config is made."""
   if run.init_from:
     return source_config(run.init_from, run.model_overrides)[0]
-  return load_config(run.model, **run.model_overrides)
+  return families.load_config(run.model, **run.model_overrides)
 
 
 def source_config(init_from, overrides):
   """(architecture, the runtime its parameters were laid out with) of an `init_from` source, `overrides` on top."""
   kind, path = _source(init_from)
   if kind == "hf":
-    return config_from_hf(path, **overrides), None
+    return families.config_from_hf(path, **overrides), None
   return read_model_yaml(path / MODEL_YAML, overrides)
 
 
@@ -48,7 +46,7 @@ def read_model_yaml(path, overrides=None):
   """(architecture, runtime of its params) from a converter's model.yaml; one written before the split also held
   how the model ran, which is taken apart here."""
   architecture, runtime = split_legacy(read_yaml(str(path), "models"))
-  config = from_mapping(Qwen3MoEConfig, {**architecture, **(overrides or {})}, str(path))
+  config = families.config_from_mapping({**architecture, **(overrides or {})}, str(path))
   return config, from_mapping(RuntimeConfig, runtime, str(path)) if runtime else CONVERTED_RUNTIME
 
 
@@ -75,7 +73,7 @@ def restore_params(path, model_config, runtime, mesh, stored=CONVERTED_RUNTIME):
   if stored.scan_layers != runtime.scan_layers:
     raise UserError(f"{path} holds parameters laid out with runtime.scan_layers={stored.scan_layers}; run with "
                     f"runtime.scan_layers={str(stored.scan_layers).lower()} to start from them")
-  abstract = nnx.to_pure_dict(qwen3.abstract(model_config, mesh, runtime=runtime)[1])
+  abstract = nnx.to_pure_dict(families.abstract(model_config, mesh, runtime=runtime)[1])
   with ocp.StandardCheckpointer() as checkpointer:
     try:
       return checkpointer.restore(pathlib.Path(path).absolute(), abstract)
@@ -87,7 +85,7 @@ def restore_params(path, model_config, runtime, mesh, stored=CONVERTED_RUNTIME):
 
 def model_from_params(model_config, runtime, mesh, params):
   """The model with `params` (a pure dict) as its parameters."""
-  graphdef, state = qwen3.abstract(model_config, mesh, runtime=runtime)
+  graphdef, state = families.abstract(model_config, mesh, runtime=runtime)
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 
@@ -106,4 +104,4 @@ def stored_run(run_dir):
   if "runtime" not in run:  # written before the split: the model's runtime fields are what ran
     run = {k: v for k, v in run.items() if k not in ("dispatcher", "remat")}
     run["runtime"] = runtime
-  return from_mapping(RunConfig, run, where), from_mapping(Qwen3MoEConfig, architecture, f"{where} model")
+  return from_mapping(RunConfig, run, where), families.config_from_mapping(architecture, f"{where} model")

@@ -114,11 +114,24 @@ def layer_forward_flops(c, seq_len, layer):
   router and top-k experts (plus the shared expert) on MoE layers, the dense SwiGLU elsewhere."""
   attn_dims = c.num_attention_heads * c.head_dim
   kv_dims = c.num_key_value_heads * c.head_dim
-  attention = 2 * c.hidden_size * (2 * attn_dims + 2 * kv_dims) + score_flops(c, seq_len)
+  gated = hasattr(c, "layer_types")  # Qwen3.5: q_proj also gives the attention's output gate
+  attention = 2 * c.hidden_size * ((2 + gated) * attn_dims + 2 * kv_dims) + score_flops(c, seq_len)
+  if gated and c.is_linear(layer):
+    attention = delta_flops(c)
   if c.is_sparse(layer):
+    shared_gate = 2 * c.hidden_size if c.shared_expert_intermediate_size else 0
     return attention, (2 * c.hidden_size * c.num_experts + c.num_experts_per_tok * 6 * c.hidden_size
-                       * c.moe_intermediate_size + 6 * c.hidden_size * c.shared_expert_intermediate_size)
+                       * c.moe_intermediate_size + 6 * c.hidden_size * c.shared_expert_intermediate_size + shared_gate)
   return attention, 6 * c.hidden_size * c.intermediate_size
+
+
+def delta_flops(c):
+  """A Gated DeltaNet layer's forward FLOPs per token, as Megatron counts them: its projections (q, k, v, z, β, a
+  in; out), the conv, and 8 · heads · key width · value width for the delta rule's core."""
+  keys, values = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+  projections = 2 * c.hidden_size * (2 * keys + 2 * values + 2 * c.linear_num_value_heads) + 2 * values * c.hidden_size
+  conv = 2 * c.linear_conv_kernel_dim * (2 * keys + values)
+  return projections + conv + 8 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
 
 def score_flops(c, seq_len):

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints of Qwen3-MoE (`qwen3_moe`) and Qwen2-MoE (`qwen2_moe`): import and export of the
-tensors (`config.json`: `models.qwen3.hf_config`; which tensor each parameter comes from: `models.qwen3.hf_names`; reading
+"""Hugging Face checkpoints of every model family (`models.families`: Qwen3-MoE `qwen3_moe`, Qwen2-MoE `qwen2_moe`,
+Qwen3.5-MoE `qwen3_5_moe_text` and the multimodal `qwen3_5_moe`'s text model): import and export of the tensors
+(`config.json` and which tensor each parameter comes from: each family's `hf_config` and `hf_names`; reading
 safetensors: `models.hf.safetensors_io`).
 
 Import reads a local directory (`config.json` and `*.safetensors`, with or without `model.safetensors.index.json`)
@@ -24,9 +25,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from models.qwen3 import model as qwen3
-from models.qwen3.hf_config import config_from_hf, config_to_hf
-from models.qwen3.hf_names import hf_shapes, param_paths, param_sources
+from models import families
+from models.qwen3.hf_names import hf_shapes, param_paths
 from models.runtime import RuntimeConfig
 from models.router_state import BIAS
 from models.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, export_files
@@ -52,6 +52,9 @@ def read_source(checkpoint, source, index, shape):
     e_slice, a, b = index
     parts = [checkpoint.read(source.key.format(e=e), (b, a)).T for e in range(e_slice.start, e_slice.stop)]
     return np.stack(parts) if parts else np.zeros((0, a.stop - a.start, b.stop - b.start), np.float32)
+  if how == "conv":  # [C, 1, W] there
+    c, w = index
+    return checkpoint.read(source.key, (c, slice(0, 1), w))[:, 0, :]
   if how in ("gate", "up"):
     e, d, f = index
     offset = 0 if how == "gate" else shape[2]
@@ -62,7 +65,7 @@ def read_source(checkpoint, source, index, shape):
 
 def abstract_state(config, mesh, runtime):
   """(graphdef, abstract state, {path: ShapeDtypeStruct with its sharding}) of the model, nothing allocated."""
-  graphdef, state = qwen3.abstract(config, mesh, runtime=runtime)
+  graphdef, state = families.abstract(config, mesh, runtime=runtime)
   return graphdef, state, param_paths(nnx.to_pure_dict(state))
 
 
@@ -70,12 +73,12 @@ def abstract_state(config, mesh, runtime):
 # Import
 
 
-def _fused_layers(config, checkpoint):
+def _fused_layers(config, checkpoint, prefix):
   return frozenset(layer for layer in range(config.num_hidden_layers)
-                   if f"model.layers.{layer}.mlp.experts.gate_up_proj" in checkpoint.entries)
+                   if f"{prefix}layers.{layer}.mlp.experts.gate_up_proj" in checkpoint.entries)
 
 
-def _check_tensors(config, checkpoint, params, shapes):
+def _check_tensors(config, checkpoint, params, shapes, left_out=()):
   """Every tensor the model needs is there with its shape, and no other: else a ValueError naming the key."""
   expected = {}
   for path, param in params.items():
@@ -88,6 +91,12 @@ def _check_tensors(config, checkpoint, params, shapes):
                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
   # A tied model's checkpoint may still hold lm_head.weight (a copy of the embeddings): transformers ignores it too.
   ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+  not_read = sorted({prefix for key in checkpoint.entries for prefix in left_out if key.startswith(prefix)})
+  if not_read:
+    logging.getLogger(__name__).warning("left out of the text model (transformers leaves them out too): %s",
+                                        ", ".join(f"{p}* ({sum(k.startswith(p) for k in checkpoint.entries)} tensors)"
+                                                  for p in not_read))
+  ignored |= {key for key in checkpoint.entries if key.startswith(tuple(left_out))}
   unexpected = sorted(set(checkpoint.entries) - set(expected) - ignored)
   if unexpected:
     raise UserError(f"unexpected tensor {checkpoint.where(unexpected[0])} for this config "
@@ -133,9 +142,10 @@ def load_params(config, mesh, hf_dir, device_by_device=True, *, runtime=RuntimeC
   graphdef, state, shapes = abstract_state(config, mesh, runtime)
   # Qwen3-MoE and Qwen2-MoE have no router bias: loss-free balancing's starts at zero.
   arrays = {p: jax.numpy.zeros(s.shape, s.dtype, device=s.sharding) for p, s in shapes.items() if p[-1] == BIAS}
-  params = param_sources(config, runtime, {p: s for p, s in shapes.items() if p not in arrays},
-                         _fused_layers(config, checkpoint))
-  _check_tensors(config, checkpoint, params, shapes)
+  prefix, left_out = families.text_prefix(hf_dir)
+  params = families.param_sources(config, runtime, {p: s for p, s in shapes.items() if p not in arrays}, prefix,
+                                  _fused_layers(config, checkpoint, prefix))
+  _check_tensors(config, checkpoint, params, shapes, left_out)
   for path, param in params.items():
     shape = shapes[path]
     read = _reader(checkpoint, param, shape.shape, np.dtype(shape.dtype))
@@ -155,7 +165,7 @@ def _nest(flat):
   return out
 
 
-def from_hf(hf_dir, *, mesh, runtime=RuntimeConfig(), **config_overrides) -> qwen3.Qwen3MoE:
+def from_hf(hf_dir, *, mesh, runtime=RuntimeConfig(), **config_overrides):
   """The model of a local Hugging Face checkpoint directory, each parameter read straight into its sharding.
 
   Args:
@@ -163,13 +173,13 @@ def from_hf(hf_dir, *, mesh, runtime=RuntimeConfig(), **config_overrides) -> qwe
       per expert or fused; float32, float16 or bfloat16 tensors, cast to the config's param_dtype.
     mesh: the device mesh (an 'expert' axis; 'data' and 'tensor' if it has them).
     runtime: how the model runs (`RuntimeConfig`: dispatcher, compute dtype, layer scan, ...).
-    **config_overrides: `Qwen3MoEConfig` fields over those of `config.json` (see `hf_config.config_from_hf`).
+    **config_overrides: the family config's fields over those of `config.json` (see `families.config_from_hf`).
 
   Raises:
     ValueError: a missing or unexpected tensor, or one of the wrong shape (its key and file named); see also
       `config_from_hf`.
   """
-  config = config_from_hf(hf_dir, **config_overrides)
+  config = families.config_from_hf(hf_dir, **config_overrides)
   graphdef, state = load_params(config, mesh, hf_dir, runtime=runtime)
   return nnx.merge(graphdef, state)
 
@@ -186,6 +196,8 @@ def hf_tensors(source, array):
     return {source.key: np.ascontiguousarray(array.T)}
   if source.how == "experts":
     return {source.key.format(e=e): np.ascontiguousarray(array[e].T) for e in range(array.shape[0])}
+  if source.how == "conv":
+    return {source.key: np.ascontiguousarray(array[:, None, :])}
   raise ValueError(f"export writes the per-expert layout, not {source.how!r}")
 
 
@@ -250,13 +262,13 @@ def to_hf(model, out_dir, *, max_shard_bytes=MAX_SHARD_BYTES, dtype=None, overwr
   out_dtype = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
   if out_dtype.name not in ("float32", "float16", "bfloat16"):
     raise UserError(f"to_hf: dtype={dtype!r} must be bfloat16, float16 or float32")
-  hf_config = dict(config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
+  hf_config = dict(families.config_to_hf(config), torch_dtype=out_dtype.name, dtype=out_dtype.name)
   flat = param_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   if config.router_bias_update_rate:
     logging.getLogger(__name__).warning(
         "to_hf: the router bias of auxiliary-loss-free balancing is not exported: %s has no field for it (DeepSeek-V3's"
         " e_score_correction_bias is one); transformers will route without it", hf_config["model_type"])
-  params = param_sources(config, model.runtime, flat)
+  params = families.param_sources(config, model.runtime, flat)
   out_dir = pathlib.Path(out_dir)
   stale = check_export_target(out_dir, overwrite)
   writer = _ShardWriter(out_dir, max_shard_bytes) if jax.process_index() == 0 else None

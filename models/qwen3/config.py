@@ -4,7 +4,7 @@ a checkpoint's `model.yaml` holds); how it runs is `models.runtime.RuntimeConfig
 import dataclasses
 
 from models.config import from_mapping, read_yaml
-from models.runtime import FLOAT_DTYPES, RUNTIME_FIELDS, RuntimeConfig
+from models.runtime import FLOAT_DTYPES, RUNTIME_FIELDS, LayerGroup, RuntimeConfig
 from relaymoe_jax.errors import UserError
 
 # Sizes of the architecture that are at least 1 (a 0 divides by zero or builds an empty model that trains).
@@ -66,6 +66,9 @@ class Qwen3MoEConfig:
     if self.head_dim % 2:
       raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
 
+  def layer_groups(self, runtime):
+    return layer_groups(self, runtime)
+
   def is_sparse(self, layer):
     return (layer not in self.mlp_only_layers and self.num_experts > 0
             and (layer + 1) % self.decoder_sparse_step == 0)
@@ -85,7 +88,7 @@ def layer_groups(config: Qwen3MoEConfig, runtime: RuntimeConfig):
       groups[-1][1] += 1
     else:
       groups.append([layer, 1])
-  return [tuple(g) for g in groups]
+  return [LayerGroup(*g) for g in groups]
 
 
 def load_config(path_or_name, **overrides) -> Qwen3MoEConfig:

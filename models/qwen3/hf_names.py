@@ -37,13 +37,13 @@ _BIASES = {("attn", f"{n}_bias"): Source(f"self_attn.{n}_proj.bias", "copy") for
 _QK_NORM = {("attn", f"{n}_norm", "weight"): Source(f"self_attn.{n}_norm.weight", "copy") for n in "qk"}
 _DENSE = {("mlp", "gate_DF"): Source("mlp.gate_proj.weight", "T"), ("mlp", "up_DF"): Source("mlp.up_proj.weight", "T"),
           ("mlp", "down_FD"): Source("mlp.down_proj.weight", "T")}
-_ROUTER = {("mlp", "router_DE"): Source("mlp.gate.weight", "T")}
-_PER_EXPERT = {("mlp", f"w_{n}_E{s}"): Source(f"mlp.experts.{{e}}.{n}_proj.weight", "experts")
+ROUTER = {("mlp", "router_DE"): Source("mlp.gate.weight", "T")}
+PER_EXPERT = {("mlp", f"w_{n}_E{s}"): Source(f"mlp.experts.{{e}}.{n}_proj.weight", "experts")
                for n, s in (("gate", "DF"), ("up", "DF"), ("down", "FD"))}
-_FUSED = {("mlp", "w_gate_EDF"): Source("mlp.experts.gate_up_proj", "gate"),
+FUSED_EXPERTS = {("mlp", "w_gate_EDF"): Source("mlp.experts.gate_up_proj", "gate"),
           ("mlp", "w_up_EDF"): Source("mlp.experts.gate_up_proj", "up"),
           ("mlp", "w_down_EFD"): Source("mlp.experts.down_proj", "down")}
-_SHARED = {("mlp", "shared_gate_DF"): Source("mlp.shared_expert.gate_proj.weight", "T"),
+SHARED_EXPERT = {("mlp", "shared_gate_DF"): Source("mlp.shared_expert.gate_proj.weight", "T"),
            ("mlp", "shared_up_DF"): Source("mlp.shared_expert.up_proj.weight", "T"),
            ("mlp", "shared_down_FD"): Source("mlp.shared_expert.down_proj.weight", "T"),
            ("mlp", "shared_gate_D1"): Source("mlp.shared_expert_gate.weight", "T")}
@@ -59,10 +59,10 @@ def layer_sources(config, layer, fused=False):
   if config.qk_norm:
     table.update(_QK_NORM)
   if config.is_sparse(layer):
-    table.update(_ROUTER)
-    table.update(_FUSED if fused else _PER_EXPERT)
+    table.update(ROUTER)
+    table.update(FUSED_EXPERTS if fused else PER_EXPERT)
     if config.shared_expert_intermediate_size:
-      table.update(_SHARED)
+      table.update(SHARED_EXPERT)
   else:
     table.update(_DENSE)
   return {path: dataclasses.replace(s, key=f"model.layers.{layer}.{s.key}") for path, s in table.items()}
@@ -76,13 +76,15 @@ def hf_shapes(source, shape, num_experts):
     return {source.key: tuple(shape[::-1])}
   if source.how == "experts":
     return {source.key.format(e=e): (shape[2], shape[1]) for e in range(num_experts)}
+  if source.how == "conv":
+    return {source.key: (shape[0], 1, shape[1])}
   if source.how in ("gate", "up"):
     return {source.key: (shape[0], 2 * shape[2], shape[1])}
   return {source.key: (shape[0], shape[2], shape[1])}  # down
 
 
 @dataclasses.dataclass(frozen=True)
-class _Param:
+class Param:
   """One of our parameters: per layer (`layers`, empty for top-level ones) the Source of its per-layer array."""
   sources: tuple  # one Source per layer (stacked) or a single one
   stacked: bool
@@ -93,23 +95,23 @@ def _layer_of_path(config, runtime, path):
   if path[0] != "layers":
     return None, path, False
   groups = layer_groups(config, runtime)
-  first, count = groups[path[1]]
+  first, count, _ = groups[path[1]]
   if path[2] == qwen3.STACKED:
     return list(range(first, first + count)), path[3:], True
   return [first], path[2:], False
 
 
 def param_sources(config, runtime, paths, fused_layers=frozenset()):
-  """{our parameter path: _Param} for every path in `paths` (tuples of keys from the pure dict of a model of
+  """{our parameter path: Param} for every path in `paths` (tuples of keys from the pure dict of a model of
   `config` laid out as `runtime` says)."""
   out = {}
   for path in paths:
     layers, inner, stacked = _layer_of_path(config, runtime, path)
     if layers is None:
-      out[path] = _Param((_TOP[inner],), False)
+      out[path] = Param((_TOP[inner],), False)
       continue
     sources = tuple(layer_sources(config, layer, layer in fused_layers)[inner] for layer in layers)
-    out[path] = _Param(sources, stacked)
+    out[path] = Param(sources, stacked)
   return out
 
 

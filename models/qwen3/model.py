@@ -26,7 +26,7 @@ from models.attention.context_parallel import (check_sequence, context_attention
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.attention.cudnn import tile_kernels
 from models.attention.documents import segment_positions
-from models.loss import chunked_cross_entropy, mean_cross_entropy
+from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import Qwen3MoEConfig, layer_groups
 from models.runtime import RuntimeConfig
 from models.remat import LAYER_INPUT, remat_policy
@@ -36,7 +36,7 @@ from models.sharding import (TOKEN_AXES, activation_spec, batch_axes, make_param
 from relaymoe_jax.axes import EXPERT, TENSOR
 
 
-class _Layer(nnx.Module):
+class Layer(nnx.Module):
   """Creates parameters annotated with their sharding role, and casts them to the compute dtype."""
 
   def __init__(self, config, runtime):
@@ -65,7 +65,7 @@ def rope(x_BSQZ, positions_BS, theta):
   return (x32 * cos + rotated * sin).astype(x_BSQZ.dtype)
 
 
-class RMSNorm(_Layer):
+class RMSNorm(Layer):
 
   def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
     super().__init__(config, runtime)
@@ -77,14 +77,13 @@ class RMSNorm(_Layer):
       return rms_norm(x, self.weight[...], self.config.rms_norm_eps)
 
 
-class Attention(_Layer):
+class Attention(Layer):
 
   def __init__(self, config, runtime, mesh, rngs):
     super().__init__(config, runtime)
     param = functools.partial(make_param, config, runtime, mesh, rngs)
     c = config
     d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    self.platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
     self.mesh = mesh
     self.q_DH, self.k_DG, self.v_DG = param("q_DH", (d, hq)), param("kv_DG", (d, hkv)), param(
         "kv_DG", (d, hkv))
@@ -113,19 +112,25 @@ class Attention(_Layer):
       q, k = self.q_norm(q), self.k_norm(k)
     with jax.named_scope("rope"):
       q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
-    with jax.named_scope("attention"):
-      if splits_sequences(self.runtime, self.mesh):
-        kernels = tile_kernels(self.runtime.attention_implementation, self.platform, q.dtype)
-        out = context_attention(q, k, v, mesh=self.mesh, scale=c.head_dim ** -0.5, kernels=kernels,
-                                segment_ids_BS=segment_ids_BS)
-      else:
-        out = attention(q, k, v, c.head_dim ** -0.5, self.runtime.attention_implementation, self.platform,
-                        segment_ids_BS, self.mesh, batch_axes(self.runtime))
+    out = attend_heads(q, k, v, c.head_dim ** -0.5, self.runtime, self.mesh, segment_ids_BS)
     with jax.named_scope("projection"):
       return out.reshape(b, s, -1) @ self.cast(self.o_HD)
 
 
-class DenseMLP(_Layer):
+def attend_heads(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime, mesh, segment_ids_BS=None):
+  """Causal attention of the heads, on the kernel `runtime` asks for: across the sequence's shards under context
+  parallelism (`models.attention.context_parallel`), else of each row (`models.attention.causal`)."""
+  platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
+  with jax.named_scope("attention"):
+    if splits_sequences(runtime, mesh):
+      kernels = tile_kernels(runtime.attention_implementation, platform, q_BSQZ.dtype)
+      return context_attention(q_BSQZ, k_BSJZ, v_BSJZ, mesh=mesh, scale=scale, kernels=kernels,
+                               segment_ids_BS=segment_ids_BS)
+    return attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime.attention_implementation, platform, segment_ids_BS,
+                     mesh, batch_axes(runtime))
+
+
+class DenseMLP(Layer):
 
   def __init__(self, config, runtime, width, mesh, rngs):
     super().__init__(config, runtime)
@@ -139,7 +144,7 @@ class DenseMLP(_Layer):
       return rm.dense_swiglu(x, self.cast(self.gate_DF), self.cast(self.up_DF), self.cast(self.down_FD))
 
 
-class MoE(_Layer):
+class MoE(Layer):
   """Router + experts through `relaymoe_jax`, plus the optional Qwen2-MoE shared expert."""
 
   def __init__(self, config, runtime, mesh, rngs):
@@ -183,7 +188,7 @@ class MoE(_Layer):
     return y_BSD, rm.MoEAux(router=aux, dropped_pairs=stats.dropped_pairs)
 
 
-class DecoderLayer(_Layer):
+class DecoderLayer(Layer):
 
   def __init__(self, config, runtime, layer, mesh, rngs):
     super().__init__(config, runtime)
@@ -225,16 +230,17 @@ STACKED = "stacked"  # LayerStack's attribute: parameters below it carry a leadi
 
 
 class LayerStack(nnx.Module):
-  """`count` consecutive decoder layers of one kind as one layer whose parameters are stacked on a leading axis
-  (sharding specs gain a leading None), run by `lax.scan`: the layer is traced and compiled once."""
+  """`count` repeats of one unit (a decoder layer, or a block of layers of different kinds) as one unit whose
+  parameters are stacked on a leading axis (sharding specs gain a leading None), run by `lax.scan`: the unit is
+  traced and compiled once. `make_unit(rngs)` builds one; it returns (x, [aux of each of its MoE layers])."""
 
-  def __init__(self, config, runtime, first, count, mesh, rngs):
+  def __init__(self, count, make_unit, rngs):
     self.count = count
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def build(rngs):
-      return DecoderLayer(config, runtime, first, mesh, rngs)
+      return make_unit(rngs)
 
     setattr(self, STACKED, build(rngs))
 
@@ -245,7 +251,7 @@ class LayerStack(nnx.Module):
       return nnx.merge(graphdef, layer_params)(x, positions_BS, segment_ids_BS)
 
     x_BSD, auxes = jax.lax.scan(one_layer, x_BSD, params)
-    return x_BSD, [jax.tree.map(lambda a: a[i], auxes[0]) for i in range(self.count)] if auxes else []
+    return x_BSD, [jax.tree.map(lambda a: a[i], aux) for i in range(self.count) for aux in auxes]
 
 
 def per_layer_ndim(path, param):
@@ -254,7 +260,7 @@ def per_layer_ndim(path, param):
   return param.ndim - any(getattr(key, "key", None) == STACKED for key in path)
 
 
-class Qwen3MoE(_Layer):
+class Qwen3MoE(Layer):
   """The language model: `logits_BSV = model(tokens_BS)` (float32 logits), with or without `jax.set_mesh` (any
   mesh of its devices), on tokens sharded any way. The logits (and the other methods' outputs) are sharded B over
   ('data', 'expert') (context parallelism: B over 'data', S over 'expert'), V whole: on the context's mesh (those
@@ -267,12 +273,20 @@ class Qwen3MoE(_Layer):
     param = functools.partial(make_param, config, runtime, mesh, rngs)
     self.mesh = mesh
     self.embed_VD = param("embed_VD", (config.vocab_size, config.hidden_size))
-    self.layers = nnx.List([LayerStack(config, runtime, first, count, mesh, rngs) if runtime.scan_layers else
-                            DecoderLayer(config, runtime, first, mesh, rngs)
-                            for first, count in layer_groups(config, runtime)])
-    self.norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
+    self.layers = nnx.List(self.layer_stacks(mesh, rngs))
+    self.norm = self.final_norm(mesh, rngs)
     if not config.tie_word_embeddings:
       self.lm_head_DV = param("lm_head_DV", (config.hidden_size, config.vocab_size))
+
+  def layer_stacks(self, mesh, rngs):
+    """The decoder's layers, each stretch of one kind (`layer_groups`) one `LayerStack` or a lone layer."""
+    config, runtime = self.config, self.runtime
+    make = lambda first: functools.partial(DecoderLayer, config, runtime, first, mesh)
+    return [LayerStack(count, make(first), rngs) if runtime.scan_layers else make(first)(rngs)
+            for first, count, _ in layer_groups(config, runtime)]
+
+  def final_norm(self, mesh, rngs):
+    return RMSNorm(self.config, self.runtime, self.config.hidden_size, mesh, rngs)
 
   def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
     return self.logits_and_aux(tokens_BS, segment_ids_BS, positions_BS)[0]
@@ -307,7 +321,7 @@ class Qwen3MoE(_Layer):
       x_BSD, aux = self.hidden_and_aux(tokens_BS, segment_ids_BS, positions_BS)
       weights = None if weights_BS is None else self._in_held_order(weights_BS.astype(jnp.float32))
       with jax.named_scope("lm_head"):
-        return self._head_loss(mean_cross_entropy, _plain_mean_cross_entropy, x_BSD,
+        return self._head_loss(mean_cross_entropy, plain_mean_cross_entropy, x_BSD,
                                self._in_held_order(labels_BS), weights_BS=weights), aux
 
   def _head_loss(self, chunked, plain, x_BSD, labels_BS, **weights):
@@ -364,15 +378,6 @@ class Qwen3MoE(_Layer):
 
   def _in_sequence_order(self, x_BS):
     return to_sequence_order(x_BS, self._ring()) if splits_sequences(self.runtime, self.mesh) else x_BS
-
-
-def _plain_mean_cross_entropy(logits_BSV, labels_BS, weights_BS=None):
-  return mean_over_targets(optax.softmax_cross_entropy_with_integer_labels(logits_BSV, labels_BS), weights_BS)
-
-
-def mean_over_targets(ce_BS, weights_BS=None):
-  """The mean of per-target losses over the counted targets (`weights_BS`, 0 or 1 each; None: all)."""
-  return ce_BS.mean() if weights_BS is None else jnp.sum(ce_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1)
 
 
 def _matmul_precision(runtime):

@@ -1,0 +1,287 @@
+"""Gated delta rule (the core of Gated DeltaNet) in pure JAX.
+
+Per value head, with state S ∈ R^{K×V}, log decay g_t ≤ 0 and write strength β_t:
+
+  S'_t = exp(g_t) S_{t-1}
+  u_t  = β_t (v_t − S'_tᵀ k_t)
+  S_t  = S'_t + k_t u_tᵀ
+  o_t  = S_tᵀ q_t
+
+Chunked form. In a chunk of C positions r, s let Γ = cumsum(g) within the chunk and
+D_rs = exp(Γ_r − Γ_s) if s ≤ r and r, s lie in the same document, else 0. Then
+
+  A = (diag(β) K Kᵀ) ⊙ D (strictly lower part),   P = (Q Kᵀ) ⊙ D,
+  U = (I + A)⁻¹ diag(β) V,   W = (I + A)⁻¹ diag(β m exp(Γ)) K,
+  V_new = U − W S,   O = (Q ⊙ m exp(Γ)) S + P V_new,
+  S ← c exp(Γ_C) S + (K ⊙ e exp(Γ_C − Γ))ᵀ V_new,
+
+where S is the state entering the chunk, m_r = [doc(r) = doc of S], e_s = [doc(s) = doc(C)]
+and c = [doc(C) = doc of S]. A row's initial state belongs to its first document.
+
+The state after a chunk is affine in the state before it: S ← M S + b with
+M = c exp(Γ_C) I − (K ⊙ e exp(Γ_C − Γ))ᵀ W and b = (K ⊙ e exp(Γ_C − Γ))ᵀ U. Maps compose as
+(M₂, b₂)∘(M₁, b₁) = (M₂M₁, M₂b₁ + b₂), which allows context parallelism by state passing:
+each shard computes its (M, b), the maps are all-gathered and prefix-combined into every
+shard's initial state, and each shard reruns the chunked form from that state.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+# The triangular solve amplifies rounding errors; TF32 matmuls (the GPU default) are too coarse.
+_PRECISION = lax.Precision.HIGHEST
+
+
+def _einsum(spec, *operands):
+  return jnp.einsum(spec, *operands, precision=_PRECISION)
+
+
+def _l2_normalize(x_BSHK):
+  return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
+
+
+def _prepare_qk(q_BSHK, k_BSHK, num_v_heads, l2_normalize):
+  """float32, optional L2 norm, q scaled by K^-1/2, key heads repeated to value heads."""
+  q_BSHK, k_BSHK = q_BSHK.astype(jnp.float32), k_BSHK.astype(jnp.float32)
+  if l2_normalize:
+    q_BSHK, k_BSHK = _l2_normalize(q_BSHK), _l2_normalize(k_BSHK)
+  q_BSHK = q_BSHK * q_BSHK.shape[-1] ** -0.5
+  num_k_heads = k_BSHK.shape[2]
+  if num_v_heads % num_k_heads:
+    raise ValueError(f"{num_v_heads=} is not a multiple of {num_k_heads=}")
+  repeats = num_v_heads // num_k_heads
+  return jnp.repeat(q_BSHK, repeats, axis=2), jnp.repeat(k_BSHK, repeats, axis=2)
+
+
+def _segment_ids(segment_ids_BS, batch, seq_len):
+  if segment_ids_BS is None:
+    return jnp.zeros((batch, seq_len), jnp.int32)
+  return jnp.asarray(segment_ids_BS)
+
+
+def _to_chunks(x_BS, chunk_size, mode="constant"):
+  """[B, S, ...] → [B, N, C, ...], right-padding S to a multiple of C."""
+  pad = -x_BS.shape[1] % chunk_size
+  x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2), mode=mode)
+  return x_BS.reshape(x_BS.shape[0], -1, chunk_size, *x_BS.shape[2:])
+
+
+class _Chunks(NamedTuple):
+  """Per-chunk quantities, [B, N, H, ...]."""
+  qd_BNHCK: jax.Array  # Q ⊙ m exp(Γ): reads the incoming state
+  kd_BNHCK: jax.Array  # K ⊙ e exp(Γ_C − Γ): writes the outgoing state
+  p_BNHCC: jax.Array
+  u_BNHCV: jax.Array
+  w_BNHCK: jax.Array
+  decay_BNH: jax.Array  # c exp(Γ_C)
+
+
+def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_size, l2_normalize):
+  """Everything that does not depend on the state, for all chunks at once."""
+  q_BSHK, k_BSHK = _prepare_qk(q_BSHK, k_BSHK, v_BSHV.shape[2], l2_normalize)
+  to_BNHC = lambda x: jnp.moveaxis(_to_chunks(x.astype(jnp.float32), chunk_size), 3, 2)
+  q_BNHCK, k_BNHCK, v_BNHCV = to_BNHC(q_BSHK), to_BNHC(k_BSHK), to_BNHC(v_BSHV)
+  g_BNHC, beta_BNHC = to_BNHC(g_BSH[..., None])[..., 0], to_BNHC(beta_BSH[..., None])[..., 0]
+  # Padding joins the last document, so with g = β = 0 it leaves that document's state intact.
+  seg_BNC = _to_chunks(seg_BS, chunk_size, mode="edge")
+  seg_in_BN = jnp.concatenate([seg_BNC[:, :1, 0], seg_BNC[:, :-1, -1]], axis=1)
+
+  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
+  mask_BN1CC = (same_BNCC & jnp.tril(jnp.ones((chunk_size, chunk_size), bool)))[:, :, None]
+  reads_BN1C = (seg_BNC == seg_in_BN[..., None])[:, :, None].astype(jnp.float32)
+  writes_BN1C = (seg_BNC == seg_BNC[..., -1:])[:, :, None].astype(jnp.float32)
+  keeps_BN1 = (seg_BNC[..., -1] == seg_in_BN)[:, :, None].astype(jnp.float32)
+
+  gamma_BNHC = jnp.cumsum(g_BNHC, axis=-1)
+  diff_BNHCC = gamma_BNHC[..., :, None] - gamma_BNHC[..., None, :]
+  # Masking before exp keeps exp(positive) overflow out of both the values and the gradients.
+  decay_BNHCC = jnp.where(mask_BN1CC, jnp.exp(jnp.where(mask_BN1CC, diff_BNHCC, 0.0)), 0.0)
+  gamma_end_BNH1 = gamma_BNHC[..., -1:]
+
+  a_BNHCC = _einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK) * beta_BNHC[..., None] * decay_BNHCC
+  rhs_BNHCX = jnp.concatenate([
+      v_BNHCV * beta_BNHC[..., None],
+      k_BNHCK * (beta_BNHC * reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
+  ], axis=-1)
+  # Only the strictly lower part of A is read: the system is I + A.
+  sol_BNHCX = solve_triangular(a_BNHCC, rhs_BNHCX, lower=True, unit_diagonal=True)
+  value_dim = v_BNHCV.shape[-1]
+  return _Chunks(
+      qd_BNHCK=q_BNHCK * (reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
+      kd_BNHCK=k_BNHCK * (writes_BN1C * jnp.exp(gamma_end_BNH1 - gamma_BNHC))[..., None],
+      p_BNHCC=_einsum("bnhrk,bnhsk->bnhrs", q_BNHCK, k_BNHCK) * decay_BNHCC,
+      u_BNHCV=sol_BNHCX[..., :value_dim],
+      w_BNHCK=sol_BNHCX[..., value_dim:],
+      decay_BNH=keeps_BN1 * jnp.exp(gamma_end_BNH1[..., 0]),
+  )
+
+
+def _scan_chunks(chunks, state_BHKV):
+  """Carries the state across chunks; returns (o [B, N·C, H, V], final state)."""
+
+  def step(state_BHKV, c):
+    vnew_BHCV = c.u_BNHCV - _einsum("bhck,bhkv->bhcv", c.w_BNHCK, state_BHKV)
+    o_BHCV = (_einsum("bhck,bhkv->bhcv", c.qd_BNHCK, state_BHKV)
+              + _einsum("bhrs,bhsv->bhrv", c.p_BNHCC, vnew_BHCV))
+    state_BHKV = (c.decay_BNH[..., None, None] * state_BHKV
+                  + _einsum("bhck,bhcv->bhkv", c.kd_BNHCK, vnew_BHCV))
+    return state_BHKV, o_BHCV
+
+  chunks_N = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
+  state_BHKV, o_NBHCV = lax.scan(step, state_BHKV, chunks_N)
+  o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 2), (1, 3))
+  return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
+
+
+def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
+  o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
+  return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+
+
+def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+  # Only the inputs are kept: per-chunk states would cost N·H·K·V floats per sequence and layer.
+  return out, (q, k, v, g, beta, seg_BS, state_BHKV)
+
+
+def _chunked_bwd(chunk_size, l2_normalize, residuals, cotangents):
+  q, k, v, g, beta, seg_BS, state_BHKV = residuals
+  forward = lambda q, k, v, g, beta, s: _chunked_forward(
+      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize)
+  _, vjp = jax.vjp(forward, q, k, v, g, beta, state_BHKV)
+  dq, dk, dv, dg, dbeta, dstate = vjp(cotangents)
+  return dq, dk, dv, dg, dbeta, None, dstate
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _initial_state(initial_state, v_BSHV, key_dim):
+  if initial_state is not None:
+    return initial_state
+  batch, _, num_v_heads, value_dim = v_BSHV.shape
+  return jnp.zeros((batch, num_v_heads, key_dim, value_dim), jnp.float32)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
+                     l2_normalize=True, output_final_state=False):
+  """Gated delta rule, chunked form, with a memory-lean custom VJP.
+
+  Args:
+    q: queries [B, S, Hk, K].
+    k: keys [B, S, Hk, K].
+    v: values [B, S, Hv, V]; value head j uses key head j // (Hv // Hk).
+    g: log decay [B, S, Hv], ≤ 0.
+    beta: write strength [B, S, Hv].
+    segment_ids: optional int [B, S], non-decreasing along S; the state restarts at each new
+      document, and initial_state only reaches the first document of each row.
+    initial_state: optional [B, Hv, K, V].
+    chunk_size: chunk length C; S is padded to a multiple of it.
+    l2_normalize: L2-normalise q and k over K first.
+    output_final_state: also return the state after the last token.
+
+  Returns:
+    (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
+  """
+  seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
+  state_BHKV = _initial_state(initial_state, v, k.shape[-1])
+  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+  return o_BSHV, (state_BHKV if output_final_state else None)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
+                               chunk_size=64, l2_normalize=True, output_final_state=False):
+  """Token-by-token gated delta rule (reference); same arguments as `gated_delta_rule`.
+
+  Returns:
+    (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
+  """
+  del chunk_size
+  batch, seq_len = v.shape[:2]
+  q_BSHK, k_BSHK = _prepare_qk(q, k, v.shape[2], l2_normalize)
+  seg_BS = _segment_ids(segment_ids, batch, seq_len)
+  keep_BS = jnp.concatenate(
+      [jnp.ones((batch, 1), bool), seg_BS[:, 1:] == seg_BS[:, :-1]], axis=1).astype(jnp.float32)
+
+  def step(state_BHKV, x):
+    q_BHK, k_BHK, v_BHV, g_BH, beta_BH, keep_B = x
+    state_BHKV = state_BHKV * (keep_B[:, None] * jnp.exp(g_BH))[..., None, None]
+    u_BHV = beta_BH[..., None] * (v_BHV - _einsum("bhkv,bhk->bhv", state_BHKV, k_BHK))
+    state_BHKV = state_BHKV + k_BHK[..., :, None] * u_BHV[..., None, :]
+    return state_BHKV, _einsum("bhkv,bhk->bhv", state_BHKV, q_BHK)
+
+  xs = [x.astype(jnp.float32) for x in (q_BSHK, k_BSHK, v, g, beta, keep_BS)]
+  state_BHKV = _initial_state(initial_state, v, k.shape[-1]).astype(jnp.float32)
+  state_BHKV, o_SBHV = lax.scan(step, state_BHKV, [jnp.moveaxis(x, 1, 0) for x in xs])
+  o_BSHV = jnp.moveaxis(o_SBHV, 0, 1).astype(v.dtype)
+  return o_BSHV, (state_BHKV if output_final_state else None)
+
+
+def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_normalize=True):
+  """Affine map of a whole sequence (shard) on the state: final = M @ initial + b.
+
+  Args:
+    q, k, v, g, beta, segment_ids, chunk_size, l2_normalize: as in `gated_delta_rule`.
+
+  Returns:
+    (M [B, Hv, K, K], b [B, Hv, K, V]), float32. M is zero if the sequence has a document
+    boundary, since the initial state then cannot reach the final state.
+  """
+  seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
+  c = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
+  eye_KK = jnp.eye(k.shape[-1], dtype=jnp.float32)
+  m_BNHKK = (c.decay_BNH[..., None, None] * eye_KK
+             - _einsum("bnhck,bnhcj->bnhkj", c.kd_BNHCK, c.w_BNHCK))
+  b_BNHKV = _einsum("bnhck,bnhcv->bnhkv", c.kd_BNHCK, c.u_BNHCV)
+
+  def step(carry, x):
+    m_BHKK, b_BHKV = carry
+    mn_BHKK, bn_BHKV = x
+    return (_einsum("bhij,bhjk->bhik", mn_BHKK, m_BHKK),
+            _einsum("bhij,bhjv->bhiv", mn_BHKK, b_BHKV) + bn_BHKV), None
+
+  batch, _, num_v_heads, value_dim = v.shape
+  init = (jnp.broadcast_to(eye_KK, (batch, num_v_heads) + eye_KK.shape),
+          jnp.zeros((batch, num_v_heads, k.shape[-1], value_dim), jnp.float32))
+  (m_BHKK, b_BHKV), _ = lax.scan(
+      step, init, (jnp.moveaxis(m_BNHKK, 1, 0), jnp.moveaxis(b_BNHKV, 1, 0)))
+  return m_BHKK, b_BHKV
+
+
+def combine_transitions(ms, bs, *, initial_state=None, resets=None):
+  """Initial state of every shard from the gathered shard maps (an exclusive prefix scan).
+
+  Args:
+    ms: [P, B, H, K, K], shard p's M from `chunk_transition`, shards in sequence order.
+    bs: [P, B, H, K, V], shard p's b.
+    initial_state: optional [B, H, K, V], the state before shard 0 (zeros if None).
+    resets: optional bool [P, B]: shard p's first token starts a new document (its first
+      segment id differs from the last one of shard p - 1), so it starts from zeros.
+      resets[0] is ignored: the initial state belongs to the row's first document.
+
+  Returns:
+    [P, B, H, K, V] float32: the state entering each shard.
+  """
+  state_BHKV = jnp.zeros(bs.shape[1:], jnp.float32) if initial_state is None else initial_state
+  keeps_PB = (jnp.ones(bs.shape[:2], bool) if resets is None else ~jnp.asarray(resets))
+
+  def step(state_BHKV, x):
+    m_BHKK, b_BHKV, keep_B = x
+    new_BHKV = _einsum("bhij,bhjv->bhiv", m_BHKK, state_BHKV) + b_BHKV
+    return new_BHKV * keep_B[:, None, None, None], state_BHKV
+
+  # keep of the next shard; the state after the last shard (unused) is never reset.
+  keeps_next_PB = jnp.concatenate([keeps_PB[1:], jnp.ones_like(keeps_PB[:1])]).astype(jnp.float32)
+  _, states_PBHKV = lax.scan(step, state_BHKV.astype(jnp.float32), (ms, bs, keeps_next_PB))
+  return states_PBHKV

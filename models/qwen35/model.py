@@ -1,0 +1,203 @@
+"""Qwen3.5-MoE in Flax NNX, matching Hugging Face's `Qwen3_5MoeForCausalLM` so real checkpoints can be imported.
+
+Decoder layer: h = x + Mixer(RMSNorm(x)); out = h + MoE(RMSNorm(h)), where Mixer is a Gated DeltaNet layer
+(`linear_attention`) or gated attention (`full_attention`) and every MoE has a sigmoid-gated shared expert. All
+RMSNorms but the DeltaNet's output norm are zero-centred (scale 1 + w). Gated attention: q_proj gives per head a
+query and a gate, q and k are normed per head, RoPE turns the first `rotary_dim` dims, GQA causal attention (the
+kernels of `models.attention`), the output times sigmoid(gate). Gated DeltaNet: one projection to [q | k | v], a
+causal depthwise conv with SiLU, the gated delta rule (`models.attention.gated_delta`) with β = sigmoid(b) and
+log decay g = −exp(A_log) · softplus(a + dt_bias), then an RMSNorm gated by SiLU(z). Packed documents restart the
+conv window and the DeltaNet state at each document. The outer model (embedding, LM head, losses, sharding) is
+`models.qwen3.model.Qwen3MoE`'s; the layers are stacked as repeats of the layer-type pattern (3 DeltaNet + 1
+attention in the released model), one `lax.scan` over the repeats. Shape letters: see `relaymoe_jax`; in the
+DeltaNet, X is a key head's width and W the conv window.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention.gated_delta import gated_delta_rule
+from models.qwen3 import model as qwen3
+from models.qwen35.config import FULL
+from models.runtime import RuntimeConfig
+from models.sharding import make_param
+
+
+def zero_centred_rms_norm(x, weight, eps):
+  """Qwen3.5's RMSNorm: normalise and scale by (1 + weight), all in float32, then cast back."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+  """The DeltaNet's output norm: RMSNorm (scale `weight`, not zero-centred) times SiLU(gate) in float32."""
+  x32 = x.astype(jnp.float32)
+  y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+  return (weight.astype(x.dtype) * y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class RMSNorm(qwen3.Layer):
+
+  def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
+    super().__init__(config, runtime)
+    self.weight = make_param(config, runtime, mesh, rngs, role, (dim,), "zeros")
+
+  def __call__(self, x):
+    with jax.named_scope("norm"):
+      return zero_centred_rms_norm(x, self.weight[...], self.config.rms_norm_eps)
+
+
+class GatedAttention(qwen3.Layer):
+  """Full attention with a sigmoid output gate and partial RoPE (`Qwen3_5MoeAttention`)."""
+
+  def __init__(self, config, runtime, mesh, rngs):
+    super().__init__(config, runtime)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
+    c = config
+    d, hq, hkv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    self.mesh = mesh
+    # Hugging Face's q_proj: per head, head_dim query columns then head_dim gate columns.
+    self.q_gate_DH = param("q_DH", (d, 2 * hq))
+    self.k_DG, self.v_DG = param("kv_DG", (d, hkv)), param("kv_DG", (d, hkv))
+    self.o_HD = param("o_HD", (hq, d))
+    self.q_norm = RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm")
+    self.k_norm = RMSNorm(c, runtime, c.head_dim, mesh, rngs, "head_norm")
+
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
+    c = self.config
+    b, s, _ = x_BSD.shape
+    with jax.named_scope("projection"):
+      q_gate = (x_BSD @ self.cast(self.q_gate_DH)).reshape(b, s, c.num_attention_heads, 2 * c.head_dim)
+      q, gate = q_gate[..., :c.head_dim], q_gate[..., c.head_dim:]
+      k = (x_BSD @ self.cast(self.k_DG)).reshape(b, s, c.num_key_value_heads, c.head_dim)
+      v = (x_BSD @ self.cast(self.v_DG)).reshape(b, s, c.num_key_value_heads, c.head_dim)
+    q, k = self.q_norm(q), self.k_norm(k)
+    with jax.named_scope("rope"):
+      q, k = partial_rope(q, positions_BS, c), partial_rope(k, positions_BS, c)
+    out = qwen3.attend_heads(q, k, v, c.head_dim ** -0.5, self.runtime, self.mesh, segment_ids_BS)
+    with jax.named_scope("projection"):
+      out = out.reshape(b, s, -1) * jax.nn.sigmoid(gate.reshape(b, s, -1).astype(jnp.float32)).astype(out.dtype)
+      return out @ self.cast(self.o_HD)
+
+
+def partial_rope(x_BSQZ, positions_BS, config):
+  """RoPE (half-split) over the first `rotary_dim` dims of each head; the rest pass through."""
+  rotary = config.rotary_dim
+  turned = qwen3.rope(x_BSQZ[..., :rotary], positions_BS, config.rope_theta)
+  return jnp.concatenate([turned, x_BSQZ[..., rotary:]], axis=-1)
+
+
+class GatedDeltaNet(qwen3.Layer):
+  """Linear attention by the gated delta rule (`Qwen3_5MoeGatedDeltaNet`), documents restarting its state."""
+
+  def __init__(self, config, runtime, mesh, rngs):
+    super().__init__(config, runtime)
+    param = functools.partial(make_param, config, runtime, mesh, rngs)
+    c = config
+    d, heads = c.hidden_size, c.linear_num_value_heads
+    keys, values = c.linear_num_key_heads * c.linear_key_head_dim, heads * c.linear_value_head_dim
+    self.in_qkv_DC = param("delta_in_DC", (d, 2 * keys + values))
+    self.in_z_DC = param("delta_in_DC", (d, values))
+    self.in_b_DC, self.in_a_DC = param("delta_in_DC", (d, heads)), param("delta_in_DC", (d, heads))
+    self.conv_CW = param("delta_conv_CW", (2 * keys + values, c.linear_conv_kernel_dim))
+    self.a_log_Q = param("delta_head_Q", (heads,), "a_log")
+    self.dt_bias_Q = param("delta_head_Q", (heads,), "ones")
+    self.norm_X = param("head_norm", (c.linear_value_head_dim,), "ones")
+    self.out_CD = param("delta_out_CD", (values, d))
+
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
+    del positions_BS  # the recurrence knows the order
+    c = self.config
+    b, s, _ = x_BSD.shape
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    with jax.named_scope("projection"):
+      qkv_BSC = x_BSD @ self.cast(self.in_qkv_DC)
+      z = (x_BSD @ self.cast(self.in_z_DC)).reshape(b, s, hv, dv)
+      beta = jax.nn.sigmoid((x_BSD @ self.cast(self.in_b_DC)).astype(jnp.float32))
+      a = (x_BSD @ self.cast(self.in_a_DC)).astype(jnp.float32)
+    with jax.named_scope("delta_conv"):
+      qkv_BSC = jax.nn.silu(causal_conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS))
+    q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
+    g = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias_Q[...].astype(jnp.float32))
+    with jax.named_scope("gated_delta"):
+      o, _ = gated_delta_rule(q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), g, beta,
+                              segment_ids=segment_ids_BS)
+    with jax.named_scope("projection"):
+      o = gated_rms_norm(o, z, self.norm_X[...], c.rms_norm_eps)
+      return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)
+
+
+def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
+  """Depthwise causal conv over S (Hugging Face's conv1d with W − 1 zeros of left padding): out[t] = Σ_j w[:, j] ·
+  x[t − (W − 1) + j], inputs from another document (`segment_ids_BS`) or before the row read as zeros."""
+  width = w_CW.shape[1]
+  out = jnp.zeros(x_BSC.shape, jnp.float32)
+  for j in range(width):
+    shift = width - 1 - j
+    shifted = jnp.pad(x_BSC, [(0, 0), (shift, 0), (0, 0)])[:, :x_BSC.shape[1]]
+    if segment_ids_BS is not None and shift:
+      same = segment_ids_BS == jnp.pad(segment_ids_BS, [(0, 0), (shift, 0)], constant_values=-1)[:, :-shift]
+      shifted = jnp.where(same[..., None], shifted, 0)
+    out = out + shifted.astype(jnp.float32) * w_CW[:, j].astype(jnp.float32)
+  return out.astype(x_BSC.dtype)
+
+
+class DecoderLayer(qwen3.DecoderLayer):
+  """A Qwen3.5 layer: its mixer (`attn`, gated attention or Gated DeltaNet by `layer_types`), then the MoE."""
+
+  def __init__(self, config, runtime, layer, mesh, rngs):  # Qwen3's __init__ would build Qwen3's parts
+    qwen3.Layer.__init__(self, config, runtime)
+    self.layer = layer
+    self.input_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
+    mixer = GatedAttention if config.layer_types[layer] == FULL else GatedDeltaNet
+    self.attn = mixer(config, runtime, mesh, rngs)
+    self.post_attention_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
+    self.mlp = qwen3.MoE(config, runtime, mesh, rngs)
+
+
+class LayerBlock(nnx.Module):
+  """Consecutive layers of different kinds run one after another: the unit a `LayerStack` repeats."""
+
+  def __init__(self, config, runtime, first, period, mesh, rngs):
+    self.layers = nnx.List([DecoderLayer(config, runtime, first + j, mesh, rngs) for j in range(period)])
+
+  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
+    auxes = []
+    for layer in self.layers:
+      x_BSD, aux = layer(x_BSD, positions_BS, segment_ids_BS)
+      auxes += aux
+    return x_BSD, auxes
+
+
+class Qwen35MoE(qwen3.Qwen3MoE):
+  """The Qwen3.5 language model: `Qwen3MoE`'s interface (`logits_BSV = model(tokens_BS)`, the losses, segment ids
+  and positions) over Qwen3.5's hybrid layers."""
+
+  def layer_stacks(self, mesh, rngs):
+    config, runtime = self.config, self.runtime
+
+    def unit(group):
+      if group.period == 1:
+        return functools.partial(DecoderLayer, config, runtime, group.first, mesh)
+      return functools.partial(LayerBlock, config, runtime, group.first, group.period, mesh)
+
+    return [qwen3.LayerStack(g.count, unit(g), rngs) if runtime.scan_layers else unit(g)(rngs)
+            for g in config.layer_groups(runtime)]
+
+  def final_norm(self, mesh, rngs):
+    return RMSNorm(self.config, self.runtime, self.config.hidden_size, mesh, rngs)
+
+
+def abstract(config, mesh, seed=0, *, runtime=RuntimeConfig()):
+  """(graphdef, state) of the model with every parameter a ShapeDtypeStruct carrying its sharding: nothing is made."""
+  return nnx.split(nnx.eval_shape(lambda: Qwen35MoE(config, runtime, mesh=mesh, rngs=nnx.Rngs(seed))))
+
+
+def create_sharded(config, mesh, seed=0, *, runtime=RuntimeConfig()):
+  """Builds the model inside jit so each parameter is created directly with its sharding (no host copy)."""
+  return nnx.jit(lambda: Qwen35MoE(config, runtime, mesh=mesh, rngs=nnx.Rngs(seed)))()

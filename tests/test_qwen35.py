@@ -1,0 +1,153 @@
+"""Qwen3.5-MoE (`models.qwen35`): the tiny transformers checkpoints of tests/fixtures/hf (text-only
+`qwen3_5_moe_text`, experts per expert; multimodal `qwen3_5_moe`, fused experts, `model.visual.*` and `mtp.*` left
+out) import to transformers' logits at sequence lengths that are and are not multiples of the DeltaNet's chunk of
+64, under every dispatcher; the export reads back the same; packed documents are independent; the hybrid layers
+stack as repeats of their pattern; the trainer's FLOPs count the DeltaNet and the attention gate."""
+
+import functools
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import requires_devices
+import relaymoe_jax as rm
+from models import families
+from models.hf import transfer as hf
+from models.qwen35.config import FULL, LINEAR, layer_groups
+from models.runtime import RuntimeConfig
+from relaymoe_jax.errors import UserError
+from train.config import MeshConfig
+from train.mesh import build_mesh
+from train.step import delta_flops, layer_forward_flops
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+TEXT, MULTIMODAL = "qwen3_5_moe_text", "qwen3_5_moe"
+# transformers' own float32 and float64 logits of these checkpoints differ by 3.4e-4 (8-wide DeltaNet heads of
+# random weights amplify rounding): a float32 port is held to a little above that. A wrong op is off by > 1e-2.
+LOGITS_ATOL = 1e-3
+ROWS = 8  # the fixture's 2 rows repeated, so every one of the 8 devices holds a row
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+  requires_devices(8)
+
+
+@functools.cache
+def _mesh():
+  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
+
+
+@functools.cache
+def _reference(length):
+  ref = np.load(FIXTURES / TEXT / "reference.npz")
+  return (np.tile(ref["tokens"][:, :length], (ROWS // 2, 1)).astype(np.int32),
+          np.tile(ref["logits"][:, :length], (ROWS // 2, 1, 1)))
+
+
+@functools.cache
+def _loaded(family=TEXT, **runtime):
+  return hf.from_hf(FIXTURES / family, mesh=_mesh(),
+                    runtime=RuntimeConfig(**{"dtype": "float32", "dispatcher": "dense", **runtime}))
+
+
+_logits = nnx.jit(lambda model, tokens, segment_ids=None: model(tokens, segment_ids))
+
+
+@pytest.mark.parametrize("family,length", [(TEXT, 100), (MULTIMODAL, 64),
+                                           pytest.param(TEXT, 64, marks=pytest.mark.slow),
+                                           pytest.param(MULTIMODAL, 136, marks=pytest.mark.slow)])
+def test_import_gives_transformers_logits(family, length):
+  tokens, expected = _reference(length)
+  assert np.abs(np.asarray(_logits(_loaded(family), tokens)) - expected).max() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("dispatcher", [d if d == "ring_expert" else pytest.param(d, marks=pytest.mark.slow)
+                                        for d in sorted(set(rm.DISPATCHERS) - {"dense"})])
+def test_every_dispatcher_gives_transformers_logits(dispatcher):
+  tokens, expected = _reference(136)
+  assert np.abs(np.asarray(_logits(_loaded(dispatcher=dispatcher), tokens)) - expected).max() <= LOGITS_ATOL
+
+
+def test_both_checkpoint_layouts_load_the_same_parameters():
+  ours = [nnx.to_pure_dict(nnx.state(_loaded(f), nnx.Param)) for f in (TEXT, MULTIMODAL)]
+  for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(ours[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_multimodal_checkpoints_extras_are_named_as_left_out(caplog):
+  hf.from_hf(FIXTURES / MULTIMODAL, mesh=_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"))
+  assert "model.visual.* (21 tensors), mtp.* (41 tensors)" in caplog.text
+
+
+@functools.cache
+def _random(**runtime):
+  """The tiny config's model with its own initialisation: small weights, so float32 rounding stays near 1e-7 (the
+  fixture's random weights amplify it to 4e-4 between two compiles of the same model)."""
+  return families.create_sharded(families.load_config("qwen3.5-tiny"), _mesh(),
+                                 runtime=RuntimeConfig(**{"dtype": "float32", "dispatcher": "dense", **runtime}))
+
+
+def _random_tokens(length):
+  return np.random.default_rng(0).integers(0, 128, (ROWS, length)).astype(np.int32)
+
+
+def test_unscanned_layers_give_the_same_logits():
+  tokens = _random_tokens(100)
+  np.testing.assert_allclose(np.asarray(_logits(_random(scan_layers=False), tokens)),
+                             np.asarray(_logits(_random(), tokens)), atol=1e-6)
+
+
+def test_export_reads_back_the_same_model(tmp_path):
+  model = _loaded(MULTIMODAL)
+  hf.to_hf(model, tmp_path, max_shard_bytes=200_000)
+  config = families.read_hf_config(tmp_path)[0]
+  assert config["model_type"] == TEXT and config["layer_types"][3] == FULL
+  back = hf.from_hf(tmp_path, mesh=_mesh(), runtime=model.runtime)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_packed_documents_are_independent():
+  """A document's logits do not depend on what precedes it in the row: the DeltaNet state and conv window restart,
+  positions restart for RoPE, attention is masked."""
+  tokens = _random_tokens(100)
+  segment_ids = np.repeat(np.array([[0] * 37 + [1] * 63]), ROWS, axis=0).astype(np.int32)
+  packed = np.asarray(_logits(_random(), tokens, segment_ids))
+  shuffled = tokens.copy()
+  shuffled[:, :37] = np.roll(tokens[:, :37], 5, axis=1)  # another first document: the second's logits stay
+  np.testing.assert_allclose(np.asarray(_logits(_random(), shuffled, segment_ids))[:, 37:], packed[:, 37:], atol=1e-6)
+  unpacked = np.asarray(_logits(_random(), shuffled))
+  assert np.abs(unpacked[:, 37:] - packed[:, 37:]).max() > 1e-3  # without documents the first one is seen
+
+
+def test_layers_stack_as_repeats_of_the_pattern():
+  config = families.load_config("qwen3.5-35b-a3b")
+  assert config.layer_types[:4] == (LINEAR, LINEAR, LINEAR, FULL) and config.layer_types.count(FULL) == 10
+  assert layer_groups(config, RuntimeConfig()) == [(0, 10, 4)]
+  remat = ("layer",) * 8 + ("none",) * 32
+  assert layer_groups(config, RuntimeConfig(remat=remat)) == [(0, 2, 4), (8, 8, 4)]
+  assert len(layer_groups(config, RuntimeConfig(scan_layers=False))) == 40
+
+
+def test_flops_count_the_deltanet_and_the_attention_gate():
+  """Megatron's count for the 35B shape: 71.63 MFLOP per token for a DeltaNet layer's forward (projections 67.37,
+  conv 0.066, core 8·32·128·128); the gated attention's projections 54.53 MFLOP."""
+  config = families.load_config("qwen3.5-35b-a3b")
+  assert delta_flops(config) == pytest.approx(71.63e6, rel=1e-3)
+  attention, _ = layer_forward_flops(config, 0, 3)
+  assert attention == pytest.approx(54.53e6, rel=1e-3)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["linear_attention"]), "layer_types has 1 entries"),
+    (dict(layer_types=["sliding"] * 4), "layer_types ['sliding'] unknown"),
+    (dict(linear_num_value_heads=3), "not a multiple of linear_num_key_heads"),
+    (dict(model_type="qwen4"), "model_type 'qwen4' unknown"),
+])
+def test_bad_config_is_named(change, message):
+  with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    families.load_config("qwen3.5-tiny", **change)
