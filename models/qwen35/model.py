@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention.context_parallel import splits_sequences
 from models.attention.gated_delta import gated_delta_rule
 from models.qwen3 import model as qwen3
 from models.qwen35.config import FULL
 from models.runtime import RuntimeConfig
 from models.sharding import make_param
+from relaymoe_jax.errors import UserError
 
 
 def zero_centred_rms_norm(x, weight, eps):
@@ -96,6 +98,9 @@ class GatedDeltaNet(qwen3.Layer):
 
   def __init__(self, config, runtime, mesh, rngs):
     super().__init__(config, runtime)
+    if splits_sequences(runtime, mesh):  # its recurrence would read each device's shards as one sequence
+      raise UserError("runtime.context_parallel is not supported with Gated DeltaNet layers (Qwen3.5) yet: "
+                      "set it to false")
     param = functools.partial(make_param, config, runtime, mesh, rngs)
     c = config
     d, heads = c.hidden_size, c.linear_num_value_heads
