@@ -2,10 +2,7 @@
 
 Per value head, with state S ∈ R^{K×V}, log decay g_t ≤ 0 and write strength β_t:
 
-  S'_t = exp(g_t) S_{t-1}
-  u_t  = β_t (v_t − S'_tᵀ k_t)
-  S_t  = S'_t + k_t u_tᵀ
-  o_t  = S_tᵀ q_t
+  S'_t = exp(g_t) S_{t-1},   u_t = β_t (v_t − S'_tᵀ k_t),   S_t = S'_t + k_t u_tᵀ,   o_t = S_tᵀ q_t.
 
 Chunked form. In a chunk of C positions r, s let Γ = cumsum(g) within the chunk and
 D_rs = exp(Γ_r − Γ_s) if s ≤ r and r, s lie in the same document, else 0. Then
@@ -18,11 +15,10 @@ D_rs = exp(Γ_r − Γ_s) if s ≤ r and r, s lie in the same document, else 0. 
 where S is the state entering the chunk, m_r = [doc(r) = doc of S], e_s = [doc(s) = doc(C)]
 and c = [doc(C) = doc of S]. A row's initial state belongs to its first document.
 
-The state after a chunk is affine in the state before it: S ← M S + b with
-M = c exp(Γ_C) I − (K ⊙ e exp(Γ_C − Γ))ᵀ W and b = (K ⊙ e exp(Γ_C − Γ))ᵀ U. Maps compose as
-(M₂, b₂)∘(M₁, b₁) = (M₂M₁, M₂b₁ + b₂), which allows context parallelism by state passing:
-each shard computes its (M, b), the maps are all-gathered and prefix-combined into every
-shard's initial state, and each shard reruns the chunked form from that state.
+A chunk maps the state affinely, S ← M S + b, with M = c exp(Γ_C) I − (K ⊙ e exp(Γ_C − Γ))ᵀ W and
+b = (K ⊙ e exp(Γ_C − Γ))ᵀ U; maps compose as (M₂, b₂)∘(M₁, b₁) = (M₂M₁, M₂b₁ + b₂). Context parallelism
+by state passing: each shard computes its (M, b), the maps are all-gathered and prefix-combined into
+every shard's initial state, and each shard reruns the chunked form from that state.
 """
 
 import functools
@@ -31,9 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
-# The triangular solve amplifies rounding errors; TF32 matmuls (the GPU default) are too coarse.
+# Matching float32 references needs full float32 matmuls; DEFAULT precision may use TF32 on GPUs.
 _PRECISION = lax.Precision.HIGHEST
 
 
@@ -51,17 +46,14 @@ def _prepare_qk(q_BSHK, k_BSHK, num_v_heads, l2_normalize):
   if l2_normalize:
     q_BSHK, k_BSHK = _l2_normalize(q_BSHK), _l2_normalize(k_BSHK)
   q_BSHK = q_BSHK * q_BSHK.shape[-1] ** -0.5
-  num_k_heads = k_BSHK.shape[2]
-  if num_v_heads % num_k_heads:
-    raise ValueError(f"{num_v_heads=} is not a multiple of {num_k_heads=}")
-  repeats = num_v_heads // num_k_heads
+  if num_v_heads % k_BSHK.shape[2]:
+    raise ValueError(f"{num_v_heads} value heads are not a multiple of {k_BSHK.shape[2]} key heads")
+  repeats = num_v_heads // k_BSHK.shape[2]
   return jnp.repeat(q_BSHK, repeats, axis=2), jnp.repeat(k_BSHK, repeats, axis=2)
 
 
 def _segment_ids(segment_ids_BS, batch, seq_len):
-  if segment_ids_BS is None:
-    return jnp.zeros((batch, seq_len), jnp.int32)
-  return jnp.asarray(segment_ids_BS)
+  return jnp.zeros((batch, seq_len), jnp.int32) if segment_ids_BS is None else jnp.asarray(segment_ids_BS)
 
 
 def _to_chunks(x_BS, chunk_size, mode="constant"):
@@ -69,6 +61,37 @@ def _to_chunks(x_BS, chunk_size, mode="constant"):
   pad = -x_BS.shape[1] % chunk_size
   x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2), mode=mode)
   return x_BS.reshape(x_BS.shape[0], -1, chunk_size, *x_BS.shape[2:])
+
+
+def _diagonal_blocks(x_XCC, size):
+  """[..., C, C] → [..., C / size, size, size], the blocks on the diagonal."""
+  n = x_XCC.shape[-1] // size
+  x_XnsNs = x_XCC.reshape(x_XCC.shape[:-2] + (n, size, n, size))
+  return jnp.moveaxis(jnp.diagonal(x_XnsNs, axis1=-4, axis2=-2), -1, -3)
+
+
+def _unit_lower_inverse(a_XCC):
+  """(I + strictly_lower(A))⁻¹ by merging diagonal blocks of doubling size.
+
+  [[T₁, 0], [−T₂ A₂₁ T₁, T₂]] inverts [[I + A₁₁, 0], [A₂₁, I + A₂₂]]: log2(C) rounds of
+  batched matmuls. Not jax.scipy.linalg.solve_triangular: on CPU it lowers to a LAPACK custom
+  call that intermittently hung the XLA runtime (jaxlib 0.10.2) inside the backward pass.
+  """
+  c = a_XCC.shape[-1]
+  padded = 1 << (c - 1).bit_length()
+  a_XPP = jnp.pad(jnp.tril(a_XCC, -1), [(0, 0)] * (a_XCC.ndim - 2) + [(0, padded - c)] * 2)
+  inv_XNss = jnp.ones(a_XPP.shape[:-2] + (padded, 1, 1), a_XPP.dtype)
+  size = 1
+  while size < padded:
+    t1_XNss, t2_XNss = inv_XNss[..., 0::2, :, :], inv_XNss[..., 1::2, :, :]
+    a21_XNss = _diagonal_blocks(a_XPP, 2 * size)[..., size:, :size]
+    t21_XNss = -_einsum("...ij,...jk,...kl->...il", t2_XNss, a21_XNss, t1_XNss)
+    inv_XNss = jnp.concatenate([
+        jnp.concatenate([t1_XNss, jnp.zeros_like(t1_XNss)], axis=-1),
+        jnp.concatenate([t21_XNss, t2_XNss], axis=-1),
+    ], axis=-2)
+    size *= 2
+  return inv_XNss[..., 0, :c, :c]
 
 
 class _Chunks(NamedTuple):
@@ -104,19 +127,14 @@ def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_siz
   gamma_end_BNH1 = gamma_BNHC[..., -1:]
 
   a_BNHCC = _einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK) * beta_BNHC[..., None] * decay_BNHCC
-  rhs_BNHCX = jnp.concatenate([
-      v_BNHCV * beta_BNHC[..., None],
-      k_BNHCK * (beta_BNHC * reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
-  ], axis=-1)
-  # Only the strictly lower part of A is read: the system is I + A.
-  sol_BNHCX = solve_triangular(a_BNHCC, rhs_BNHCX, lower=True, unit_diagonal=True)
-  value_dim = v_BNHCV.shape[-1]
+  inv_BNHCC = _unit_lower_inverse(a_BNHCC)
+  wk_BNHCK = k_BNHCK * (beta_BNHC * reads_BN1C * jnp.exp(gamma_BNHC))[..., None]
   return _Chunks(
       qd_BNHCK=q_BNHCK * (reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
       kd_BNHCK=k_BNHCK * (writes_BN1C * jnp.exp(gamma_end_BNH1 - gamma_BNHC))[..., None],
       p_BNHCC=_einsum("bnhrk,bnhsk->bnhrs", q_BNHCK, k_BNHCK) * decay_BNHCC,
-      u_BNHCV=sol_BNHCX[..., :value_dim],
-      w_BNHCK=sol_BNHCX[..., value_dim:],
+      u_BNHCV=_einsum("bnhrs,bnhsv->bnhrv", inv_BNHCC, v_BNHCV * beta_BNHC[..., None]),
+      w_BNHCK=_einsum("bnhrs,bnhsk->bnhrk", inv_BNHCC, wk_BNHCK),
       decay_BNH=keeps_BN1 * jnp.exp(gamma_end_BNH1[..., 0]),
   )
 
@@ -124,12 +142,12 @@ def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_siz
 def _scan_chunks(chunks, state_BHKV):
   """Carries the state across chunks; returns (o [B, N·C, H, V], final state)."""
 
-  def step(state_BHKV, c):
-    vnew_BHCV = c.u_BNHCV - _einsum("bhck,bhkv->bhcv", c.w_BNHCK, state_BHKV)
-    o_BHCV = (_einsum("bhck,bhkv->bhcv", c.qd_BNHCK, state_BHKV)
-              + _einsum("bhrs,bhsv->bhrv", c.p_BNHCC, vnew_BHCV))
-    state_BHKV = (c.decay_BNH[..., None, None] * state_BHKV
-                  + _einsum("bhck,bhcv->bhkv", c.kd_BNHCK, vnew_BHCV))
+  def step(state_BHKV, chunk):  # one chunk: the fields lose their N axis
+    vnew_BHCV = chunk.u_BNHCV - _einsum("bhck,bhkv->bhcv", chunk.w_BNHCK, state_BHKV)
+    o_BHCV = (_einsum("bhck,bhkv->bhcv", chunk.qd_BNHCK, state_BHKV)
+              + _einsum("bhrs,bhsv->bhrv", chunk.p_BNHCC, vnew_BHCV))
+    state_BHKV = (chunk.decay_BNH[..., None, None] * state_BHKV
+                  + _einsum("bhck,bhcv->bhkv", chunk.kd_BNHCK, vnew_BHCV))
     return state_BHKV, o_BHCV
 
   chunks_N = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
@@ -168,10 +186,9 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _initial_state(initial_state, v_BSHV, key_dim):
-  if initial_state is not None:
-    return initial_state
   batch, _, num_v_heads, value_dim = v_BSHV.shape
-  return jnp.zeros((batch, num_v_heads, key_dim, value_dim), jnp.float32)
+  zeros_BHKV = lambda: jnp.zeros((batch, num_v_heads, key_dim, value_dim), jnp.float32)
+  return zeros_BHKV() if initial_state is None else initial_state
 
 
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
@@ -202,11 +219,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                                chunk_size=64, l2_normalize=True, output_final_state=False):
-  """Token-by-token gated delta rule (reference); same arguments as `gated_delta_rule`.
-
-  Returns:
-    (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
-  """
+  """Token-by-token gated delta rule (the reference); arguments and returns as `gated_delta_rule`."""
   del chunk_size
   batch, seq_len = v.shape[:2]
   q_BSHK, k_BSHK = _prepare_qk(q, k, v.shape[2], l2_normalize)
@@ -239,11 +252,11 @@ def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_no
     boundary, since the initial state then cannot reach the final state.
   """
   seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
-  c = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
+  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
   eye_KK = jnp.eye(k.shape[-1], dtype=jnp.float32)
-  m_BNHKK = (c.decay_BNH[..., None, None] * eye_KK
-             - _einsum("bnhck,bnhcj->bnhkj", c.kd_BNHCK, c.w_BNHCK))
-  b_BNHKV = _einsum("bnhck,bnhcv->bnhkv", c.kd_BNHCK, c.u_BNHCV)
+  m_BNHKK = (chunks.decay_BNH[..., None, None] * eye_KK
+             - _einsum("bnhck,bnhcj->bnhkj", chunks.kd_BNHCK, chunks.w_BNHCK))
+  b_BNHKV = _einsum("bnhck,bnhcv->bnhkv", chunks.kd_BNHCK, chunks.u_BNHCV)
 
   def step(carry, x):
     m_BHKK, b_BHKV = carry
