@@ -4,6 +4,7 @@ out) import to transformers' logits at sequence lengths that are and are not mul
 64, under every dispatcher; the export reads back the same; packed documents are independent; the hybrid layers
 stack as repeats of their pattern; the trainer's FLOPs count the DeltaNet and the attention gate."""
 
+import dataclasses
 import functools
 import pathlib
 
@@ -19,7 +20,8 @@ from models.hf import transfer as hf
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
-from train.config import MeshConfig
+from train.config import MeshConfig, load_run_config
+from train.loop import run
 from train.mesh import build_mesh
 from train.step import delta_flops, layer_forward_flops
 
@@ -150,9 +152,3 @@ def test_flops_count_the_deltanet_and_the_attention_gate():
 def test_bad_config_is_named(change, message):
   with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
     families.load_config("qwen3.5-tiny", **change)
-
-
-def test_context_parallelism_is_refused_for_the_deltanet():
-  """Not silently wrong: under context parallelism each device holds two chunks of a sequence out of order."""
-  with pytest.raises(UserError, match="context_parallel is not supported with Gated DeltaNet"):
-    families.abstract(families.load_config("qwen3.5-tiny"), _mesh(), runtime=RuntimeConfig(context_parallel=True))
