@@ -152,3 +152,18 @@ def test_flops_count_the_deltanet_and_the_attention_gate():
 def test_bad_config_is_named(change, message):
   with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
     families.load_config("qwen3.5-tiny", **change)
+
+
+@pytest.mark.hf
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+  """Our export of the multimodal fixture's text model loads as `Qwen3_5MoeForCausalLM` and gives its logits."""
+  torch = pytest.importorskip("torch", reason="needs torch (pip install '.[hf]')")
+  transformers = pytest.importorskip("transformers", reason="needs transformers (pip install '.[hf]')")
+  hf.to_hf(_loaded(MULTIMODAL), tmp_path, max_shard_bytes=200_000)
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                                             experts_implementation="eager").to(torch.float32)
+  tokens, expected = _reference(100)
+  with torch.no_grad():
+    logits = theirs(torch.as_tensor(tokens[:2], dtype=torch.long), use_cache=False).logits.numpy()
+  assert type(theirs).__name__ == "Qwen3_5MoeForCausalLM"
+  np.testing.assert_allclose(logits, expected[:2], atol=1e-5)
