@@ -28,6 +28,15 @@ import relaymoe_jax.testing as rmt  # noqa: E402
 # id < num_threads"; reproduced with the oracle test, where CI's runs aborted). CLI tests in a subprocess still use it.
 jax.config.update("jax_enable_compilation_cache", False)
 
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path_factory, monkeypatch):
+  """Each test runs in an empty directory of its own: nothing a test writes by default (`runs/<config>`) lands in
+  the checkout, and nothing left there (a `relaymoe-train` run of the README's first command) changes a test."""
+  monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 random_layer = rmt.random_moe_inputs
 relative_error = rmt.relative_error
 

@@ -1,6 +1,8 @@
 """The built package, not only the editable checkout, carries what `relaymoe-train` reads: every model and run
 config, beside `models/` where `models.config` looks for them."""
 
+import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -9,6 +11,8 @@ import zipfile
 import pytest
 
 from models.config import CONFIG_DIR
+
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.slow  # builds a wheel with pip (build isolation fetches setuptools from the package index)
@@ -26,3 +30,10 @@ def test_wheel_ships_every_config(tmp_path):
   configs = {f"configs/{p.relative_to(CONFIG_DIR).as_posix()}" for p in CONFIG_DIR.rglob("*.yaml")}
   assert configs and configs <= names, sorted(configs - names)
   assert "relaymoe_jax/kernels/mosaic_gpu_tiles.json" in names
+
+
+def test_the_functional_api_imports_no_flax():
+  """`route` / `moe_ffn` users pay no Flax import: the Flax layers load on first use of `relaymoe_jax.nnx`/`.linen`."""
+  code = ("import sys, relaymoe_jax as rm; assert not [m for m in sys.modules if m.split('.')[0] == 'flax'], 'flax';"
+          " rm.route, rm.moe_ffn; rm.nnx.MoE; assert 'flax' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
