@@ -28,6 +28,7 @@ from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
 from train.data.batches import SyntheticLanguage, TokenWindows
 from train.evaluate import Evaluator, evaluate_only
+from train.run import resolve_run
 from train.mesh import build_mesh
 from train.metrics import MetricsLog
 
@@ -108,7 +109,7 @@ def test_eval_only_prints_its_line_and_writes_eval_json(tmp_path, capsys):
   config = RunConfig(init_from=f"hf:{pathlib.Path(__file__).parent / 'fixtures/hf/qwen3_moe'}", runtime=F32,
                      mesh=MeshConfig(data=2, expert=4), batch_size=B, seq_len=16, out_dir=str(tmp_path / "out"),
                      eval=EvalConfig(batches=2), tensorboard=False)
-  values = evaluate_only(config)
+  values = evaluate_only(resolve_run(config))
   written = json.loads((tmp_path / "out" / "eval.json").read_text())
   assert written == dict(init_from=config.init_from, **values)
   assert values["eval_tokens"] == 2 * B * 16 and 0 < values["eval_loss"] < 2 * math.log(96)

@@ -26,6 +26,8 @@ from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
 from train.metrics import size
 from train.plan.record import Plan, cached_plan_path, plan_from_dict, plan_key, store_plan
+from train.mesh import build_mesh
+from train import run as train_run
 from train.sources import model_config_for
 
 OVERRIDES = ["seq_len=128", "batch_size=8", "steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=false",
@@ -37,23 +39,23 @@ NOT_COMPILED = ("out_dir", "device_memory_gib", "memory_headroom", "tensorboard"
                 "keep_checkpoints", "compilation_cache_dir")
 
 
-loop_compile_step = loop.compile_step
+loop_compile_step = train_compile.compile_step
 
 
 @pytest.fixture(scope="module", autouse=True)
 def shared_compiles():
   """compile_step memoized by everything that shapes the step, for the planner and the trainer alike."""
   compiled = {}
-  original = loop.compile_step
+  original = train_compile.compile_step
 
-  def compile_once(run_config, devices=None, memory_only=False):  # on CPU a memory-only step is the same step
+  def compile_once(run_config, devices=None, memory_only=False, **resolved):  # on CPU memory-only is the same step
     key = repr(dataclasses.replace(run_config, **{f: getattr(BASE, f) for f in NOT_COMPILED}))
     if key not in compiled:
-      compiled[key] = original(run_config, devices, memory_only=memory_only)
+      compiled[key] = original(run_config, devices, memory_only=memory_only, **resolved)
     return compiled[key]
 
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(loop, "compile_step", compile_once)
+    patch.setattr(train_run, "compile_step", compile_once)
     patch.setattr(planning, "compile_step", compile_once)
     yield
 
@@ -61,7 +63,7 @@ def shared_compiles():
 @pytest.fixture(scope="module")
 def uniform():
   """Total bytes per device of the step with one policy in every layer."""
-  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None)
+  planner = new_planner(BASE, 1 << 50)
   return {policy: planner.measure(policy)["total_bytes"] for policy in ("none", "attention", "layer")}
 
 
@@ -70,8 +72,24 @@ def with_runtime(run_config, **changes):
   return dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, **changes))
 
 
+def new_planner(run_config, budget, **kwargs):
+  """A Planner of `run_config` (its model config and mesh resolved here), logging nothing."""
+  return planning.Planner(run_config, budget, model_config=model_config_for(run_config),
+                          mesh=build_mesh(run_config.mesh), log=lambda *_: None, **kwargs)
+
+
 def planner_with(budget, run_config=BASE):
-  return planning.Planner(run_config, int(budget), log=lambda *_: None)
+  return new_planner(run_config, int(budget))
+
+
+def resolve_remat(run_config, resume=False):
+  """`remat_auto.resolve_remat` of `run_config` with its model config and mesh resolved as `train.run` does."""
+  resolved = train_run.resolve_run(run_config)
+  return remat_auto.resolve_remat(run_config, resolved.model_config, resolved.mesh, resume)
+
+
+def caps_chunks(run_config):
+  return planning.caps_chunks(run_config, model_config_for(run_config), build_mesh(run_config.mesh))
 
 
 def between(uniform, fraction):
@@ -97,13 +115,13 @@ def test_with_a_loss_chunk_to_search_the_plan_is_compiled_for_memory_only(tmp_pa
                                out_dir=str(tmp_path))
   assert loss_chunk.searches(config) and not loss_chunk.searches(with_runtime(config, loss_chunk_tokens=1024))
   memory_only, measured = [], planning.compile_step
-  monkeypatch.setattr(planning, "compile_step", lambda *a, memory_only=False: memory_only_calls(a, memory_only))
+  monkeypatch.setattr(planning, "compile_step", lambda *a, memory_only=False, **k: memory_only_calls(a, memory_only, k))
 
-  def memory_only_calls(args, flag):
+  def memory_only_calls(args, flag, resolved):
     memory_only.append(flag)
-    return measured(*args, memory_only=flag)
+    return measured(*args, memory_only=flag, **resolved)
 
-  run_config, plan, _ = remat_auto.resolve_remat(config)
+  run_config, plan, _ = resolve_remat(config)
   assert memory_only and all(memory_only), memory_only
   assert run_config.runtime.loss_chunk_tokens == plan.loss_chunk_tokens in (1024, 2048), plan
 
@@ -236,7 +254,7 @@ def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_
   gpu = types.SimpleNamespace(platform="gpu")
   assert train_compile.memory_only_options([gpu]) == {"xla_gpu_autotune_level": 0}
   assert train_compile.memory_only_options() is None
-  planner = planning.Planner(BASE, 1 << 50, log=lambda *_: None, keep_steps=True)
+  planner = new_planner(BASE, 1 << 50, keep_steps=True)
   planner.measure("layer")
   assert planner.compiled_step("layer") is not None
   asked, memo = [], planning.compile_step
@@ -244,7 +262,7 @@ def test_uniform_steps_are_compiled_for_memory_only_and_the_plans_candidates_to_
       (config.runtime.remat, k["memory_only"])) or memo(config, devices, **k))
   monkeypatch.setattr(planning, "memory_only_options", lambda devices=None: {"xla_gpu_autotune_level": 0})
   monkeypatch.setattr(planning, "keeps_gate_up", lambda run_config: False)
-  planner = planning.Planner(BASE, int(between(uniform, 0.8)), log=lambda *_: None, keep_steps=True)
+  planner = new_planner(BASE, int(between(uniform, 0.8)), keep_steps=True)
   plan = planner.plan()
   assert len(set(plan.remat)) == 2, plan
   assert sorted(map(repr, asked)) == sorted(map(repr, [("none", True), ("attention", True), ("layer", True),
@@ -259,7 +277,7 @@ def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uni
   budget = between(uniform, 0.6)
   config = dataclasses.replace(with_runtime(BASE, remat="auto"), device_memory_gib=memory_gib(budget),
                                compilation_cache_dir=str(tmp_path / "xla"), out_dir=str(tmp_path / "a"))
-  first, plan, _ = remat_auto.resolve_remat(config)
+  first, plan, _ = resolve_remat(config)
   (cached,) = (tmp_path / "xla" / "relaymoe-plans").iterdir()
 
   def no_planning(*args, **kwargs):
@@ -267,14 +285,14 @@ def test_a_plan_is_kept_for_new_run_directories_beside_the_compilation_cache(uni
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(planning.Planner, "plan", no_planning)
-    again, replan, step = remat_auto.resolve_remat(dataclasses.replace(config, out_dir=str(tmp_path / "b")))
+    again, replan, step = resolve_remat(dataclasses.replace(config, out_dir=str(tmp_path / "b")))
   assert (again.runtime, replan, step) == (first.runtime, plan, None)
   assert f"planned before for this configuration ({cached})" in capsys.readouterr().out
   assert json.loads((tmp_path / "b" / "remat_plan.json").read_text()) == json.loads(cached.read_text())
 
   (tmp_path / "blocked").write_text("a file where the cache's directory would be")
   config = dataclasses.replace(config, compilation_cache_dir=str(tmp_path / "blocked"), out_dir=str(tmp_path / "c"))
-  assert remat_auto.resolve_remat(config)[1] == plan
+  assert resolve_remat(config)[1] == plan
   assert "warning: the plan was not cached for other run directories" in capsys.readouterr().out
   assert (tmp_path / "c" / "remat_plan.json").exists()
 
@@ -350,7 +368,7 @@ def test_a_damaged_plan_in_the_run_directory_is_named_and_the_cached_one_used(da
   record.parent.mkdir()
   record.write_text(DAMAGED[damage](_key(config)))
   store_plan(cached, _key(config), plan_from_dict(STORED, 2))
-  _, plan, step = remat_auto.resolve_remat(config)
+  _, plan, step = resolve_remat(config)
   assert plan.remat == ("layer", "none") and step is None and fake_planner.calls == 0
   assert f"warning: ignored the remat plan {record}: " in capsys.readouterr().out
   assert json.loads(record.read_text()) == json.loads(cached.read_text())  # the good plan recorded over it
@@ -363,7 +381,7 @@ def test_a_damaged_cached_plan_is_named_never_copied_and_replaced_by_a_new_plan(
   cached = cached_plan_path(config, _key(config))
   cached.parent.mkdir(parents=True)
   cached.write_text(DAMAGED[damage](_key(config)))
-  _, plan, step = remat_auto.resolve_remat(config)
+  _, plan, step = resolve_remat(config)
   assert (plan, step, fake_planner.calls) == (fake_planner.planned, "the fresh plan's step", 1)
   assert f"warning: ignored the remat plan {cached}: " in capsys.readouterr().out
   for where in (cached, tmp_path / "run" / "remat_plan.json"):
@@ -377,7 +395,7 @@ def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_
   store_plan(cached, _key(config), plan_from_dict(STORED, 2))
   written = []
   monkeypatch.setattr(remat_auto, "store_plan", lambda path, key, plan: written.append(path))
-  assert remat_auto.resolve_remat(config)[1].remat == ("layer", "none")
+  assert resolve_remat(config)[1].remat == ("layer", "none")
   assert written == [tmp_path / "run" / "remat_plan.json"] and "warning" not in capsys.readouterr().out
 
 
@@ -386,12 +404,12 @@ def test_a_stored_plans_loss_chunk_is_run_where_the_run_leaves_it_to_auto(fake_p
   assert config.runtime.loss_chunk_tokens == "auto"
   chosen = plan_from_dict(dict(STORED, loss_chunk_tokens=4096), 2)
   store_plan(tmp_path / "run" / "remat_plan.json", _key(config), chosen)
-  run_config, plan, step = remat_auto.resolve_remat(config)
+  run_config, plan, step = resolve_remat(config)
   assert run_config.runtime.loss_chunk_tokens == 4096 and plan.loss_chunk_tokens == 4096 and step is None
   assert "loss chunk auto: 4096 tokens per device, chosen with the plan" in capsys.readouterr().out
   # A plan stored before the choice was recorded leaves auto to the trainer's search.
   store_plan(tmp_path / "run" / "remat_plan.json", _key(config), plan_from_dict(STORED, 2))
-  assert remat_auto.resolve_remat(config)[0].runtime.loss_chunk_tokens == "auto"
+  assert resolve_remat(config)[0].runtime.loss_chunk_tokens == "auto"
 
 
 def test_a_run_directory_plan_record_that_is_a_directory_is_one_line(fake_planner, tmp_path, capsys):
@@ -399,7 +417,7 @@ def test_a_run_directory_plan_record_that_is_a_directory_is_one_line(fake_planne
   (tmp_path / "run" / "remat_plan.json").mkdir(parents=True)
   with pytest.raises(UserError, match=f"cannot record the remat plan in {tmp_path / 'run' / 'remat_plan.json'} "
                                       r"\(Is a directory\)"):
-    remat_auto.resolve_remat(config)
+    resolve_remat(config)
   assert "warning: ignored the remat plan" in capsys.readouterr().out
 
 
@@ -412,16 +430,16 @@ def test_a_resume_keeps_the_plan_its_checkpoints_were_written_with(fake_planner,
   (run_dir / "run_config.json").write_text(json.dumps({"remat_plan": dict(STORED, remat=["layer", "attention"])}))
   record = json.dumps({"key": "another configuration's", "plan": STORED})
   (run_dir / "remat_plan.json").write_text(record)
-  resumed, plan, step = remat_auto.resolve_remat(config, resume=True)
+  resumed, plan, step = resolve_remat(config, resume=True)
   assert resumed.runtime.remat == plan.remat == ("layer", "attention") and step is None
   assert "the plan this run's checkpoints were written with" in capsys.readouterr().out
   (run_dir / "run_config.json").unlink()  # a run stopped before it wrote one: its record, of any configuration
-  assert remat_auto.resolve_remat(config, resume=True)[1].remat == ("layer", "none")
+  assert resolve_remat(config, resume=True)[1].remat == ("layer", "none")
   assert fake_planner.calls == 0 and (run_dir / "remat_plan.json").read_text() == record
   (run_dir / "remat_plan.json").unlink()  # nothing of its own: planned, recorded once the checkpoint restores
-  assert remat_auto.resolve_remat(config, resume=True)[1] == fake_planner.planned
+  assert resolve_remat(config, resume=True)[1] == fake_planner.planned
   assert fake_planner.calls == 1 and not (run_dir / "remat_plan.json").exists()
-  assert remat_auto.resolve_remat(config)[1] == fake_planner.planned  # not resumed: recorded at once
+  assert resolve_remat(config)[1] == fake_planner.planned  # not resumed: recorded at once
   assert (run_dir / "remat_plan.json").exists()
 
 
@@ -504,7 +522,7 @@ def test_relaymoe_plan_refuses_a_bad_variant_or_out_before_any_compile(tmp_path,
 
 
 def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):
-  step = loop.compile_step(BASE)  # remat none: uniform["none"] bytes
+  step = train_run.compile_step(BASE)  # remat none: uniform["none"] bytes
   monkeypatch.setattr(train_compile, "allocator_grows_on_demand", lambda: True)
   for fraction, warned in ((0.95, True), (0.8, False)):
     config = dataclasses.replace(BASE, device_memory_gib=uniform["none"] / fraction / GIB)
@@ -523,7 +541,7 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
   monkeypatch.setattr(planning, "FRUGAL_CHUNK_ROWS", 128)
   moe_heavy = load_run_config("cpu", [*OVERRIDES, "seq_len=512", "model.num_experts_per_tok=8",
                                       "model.moe_intermediate_size=512"])
-  probe = planning.Planner(moe_heavy, 1 << 50, log=lambda *_: None)
+  probe = new_planner(moe_heavy, 1 << 50)
   uncapped = probe.measure("layer")["total_bytes"]
   probe.cap = True
   capped = probe.measure("layer")["total_bytes"]
@@ -539,11 +557,11 @@ def test_the_rings_chunks_are_capped_when_even_the_frugal_plan_does_not_fit(tmp_
   assert dict(stored["run"]["runtime"]["dispatcher_options"])["max_chunk_rows"] == 128
   assert "capping the ring's chunks at 128 rows" in capsys.readouterr().out
   # Nothing to cap: chunk sizes chosen by the user, an all-to-all, or a hop's share already under the cap.
-  assert planning.caps_chunks(moe_heavy)
-  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(chunk_rows=256)))
-  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(max_chunk_rows=256)))
-  assert not planning.caps_chunks(with_runtime(moe_heavy, dispatcher="all_to_all"))
-  assert not planning.caps_chunks(dataclasses.replace(moe_heavy, seq_len=64))
+  assert caps_chunks(moe_heavy)
+  assert not caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(chunk_rows=256)))
+  assert not caps_chunks(with_runtime(moe_heavy, dispatcher_options=dict(max_chunk_rows=256)))
+  assert not caps_chunks(with_runtime(moe_heavy, dispatcher="all_to_all"))
+  assert not caps_chunks(dataclasses.replace(moe_heavy, seq_len=64))
 
 
 @pytest.mark.slow  # 6-12 s on 2 cores; CI's second step runs it
@@ -603,7 +621,7 @@ def test_the_step_lowers_for_gpus_alike_after_other_policies_and_afresh(monkeypa
 
 def test_plan_needs_a_memory_limit_on_cpu():
   with pytest.raises(ValueError, match="cpu devices report no memory limit: set device_memory_gib"):
-    remat_auto.resolve_remat(with_runtime(BASE, remat="auto"))
+    resolve_remat(with_runtime(BASE, remat="auto"))
 
 
 @pytest.mark.slow

@@ -37,9 +37,11 @@ def test_the_fewest_micro_batches_that_split_over_the_shards_and_fit():
 @pytest.mark.slow  # compiles the tiny model's step at several batch sizes (~1-3 min on 2 cores)
 def test_maximize_batch_reports_micro_batches_for_a_batch_too_large_for_one_pass():
   from test_plan import BASE, between, planner_with
+  from train.run import resolve_run
   budget = between({p: planner_with(1 << 50).measure(p)["total_bytes"] for p in ("none", "layer")}, 0.5)
   config = dataclasses.replace(BASE, batch_size=256, device_memory_gib=budget / (1 - BASE.memory_headroom) / 2**30)
-  results = plan_search.search(config, maximize="batch", variants=("ring",), log=lambda *_: None, upgrade=False)
+  results = plan_search.search(resolve_run(config), maximize="batch", variants=("ring",), log=lambda *_: None,
+                               upgrade=False)
   plan = results["ring"]["plan"]
   assert plan.fits and plan.batch_size == 256 and plan.micro_batches > 1
   assert plan.batch_size // plan.micro_batches < results["ring"]["not_fitting"]

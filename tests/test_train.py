@@ -32,7 +32,7 @@ from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
 from train.rundir import checkpoints as train_checkpoints
 from train import metrics as train_metrics
-from train import loop as train_loop
+from train import run as train_run
 from train.data import batches as train_data
 from train.cli import _parse, _start
 from train.errors import exit_status
@@ -125,7 +125,7 @@ def test_throughput_is_timed_to_each_logged_steps_end(tmp_path, monkeypatch):
   shifted by a step (which read 3 and 1 step times here). A step's own compute rides on top of the sleep (it reached
   0.13 s per step on a loaded 2-core CI machine), so the sleep is long enough that only a shift can leave the band."""
   seconds = 1.0
-  compile_step = train_loop.compile_step
+  compile_step = train_run.compile_step
 
   class SlowDispatch:
     def __init__(self, compiled):
@@ -139,11 +139,11 @@ def test_throughput_is_timed_to_each_logged_steps_end(tmp_path, monkeypatch):
     def __getattr__(self, name):
       return getattr(self.compiled, name)
 
-  def slow_dispatch(run_config, devices=None):
-    step = compile_step(run_config, devices)
+  def slow_dispatch(run_config, devices=None, **kwargs):
+    step = compile_step(run_config, devices, **kwargs)
     return step._replace(compiled=SlowDispatch(step.compiled))
 
-  monkeypatch.setattr(train_loop, "compile_step", slow_dispatch)
+  monkeypatch.setattr(train_run, "compile_step", slow_dispatch)
   config = tiny_run(tmp_path, steps=4, log_every=2, checkpoint_every=0, batch_size=8, seq_len=16)
   for record in run(config):
     window_s = 2 * 8 * 16 / record["tokens_per_s"]

@@ -208,7 +208,7 @@ def test_sigterm_while_planning_stops_before_the_next_compile(tmp_path, monkeypa
   stops the run before the next compile, with nothing to save, instead of after every remaining compile."""
   traced = []
 
-  def trace_and_get_terminated(run_config, devices=None):  # stands in for the step's trace; then the compile
+  def trace_and_get_terminated(run_config, devices=None, **resolved):  # stands in for the trace; then the compile
     traced.append(run_config.runtime.remat)
     if len(traced) == 1:
       os.kill(os.getpid(), signal.SIGTERM)

@@ -28,6 +28,7 @@ import jax
 from relaymoe_jax.errors import UserError
 from train.plan import search as plan_search
 from train.compile import memory_plan
+from train.run import resolve_run
 from train.config import load_run_config
 from train.errors import run_cli
 from train.evaluate import evaluate_only
@@ -121,10 +122,11 @@ def _main(args):
   config = _start(args, overrides)
 
   if args.compile_only:
-    _report_plan(memory_plan(config), config.out_dir, jax.process_index() == 0)
+    resolved = resolve_run(config)
+    _report_plan(memory_plan(config, resolved.compile()), config.out_dir, jax.process_index() == 0)
     return
   if args.eval_only:
-    evaluate_only(config)
+    evaluate_only(resolve_run(config))
     return
   history = run(config, resume=args.resume, overwrite=args.overwrite, profile=profile)
   if jax.process_index() == 0 and history:
@@ -193,8 +195,9 @@ def _plan(args):
       path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
       raise UserError(f"--out {path.parent}: cannot write plan.json there ({err.strerror or err})") from None
-  results = plan_search.search(config, maximize=args.maximize, granule=args.granule, variants=args.variants.split(","),
-                        devices=devices, log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
+  results = plan_search.search(resolve_run(config, devices), maximize=args.maximize, granule=args.granule,
+                               variants=args.variants.split(","), devices=devices,
+                               log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
   table = plan_search.render(results)

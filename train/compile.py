@@ -19,7 +19,7 @@ from relaymoe_jax.kernels import mosaic_gpu
 from train.rundir import preempt
 from train.config import RunConfig
 from train.data.batches import batch_keys
-from train.mesh import run_mesh
+from train.mesh import check_batch_split, run_mesh
 from train.metrics import log_on_process_0, size
 from train.sources import model_config_for
 from train.step import TrainState, make_optimizer, make_train_step
@@ -68,11 +68,13 @@ class CompiledStep(NamedTuple):
   compile_s: float
 
 
-def compile_step(run_config: RunConfig, devices=None, memory_only=False) -> CompiledStep:
+def compile_step(run_config: RunConfig, devices=None, memory_only=False, *, model_config=None,
+                 mesh=None) -> CompiledStep:
   """`devices` (default: all) may be compile-only devices of another machine's topology (`relaymoe-plan
-  --topology`): nothing runs. `memory_only`: a step compiled to learn its memory, never run (`MEMORY_ONLY_OPTIONS`)."""
+  --topology`): nothing runs. `memory_only`: a step compiled to learn its memory, never run (`MEMORY_ONLY_OPTIONS`).
+  `model_config`, `mesh`: the run's, resolved once (`train.run.Run`); without them, made from `run_config`."""
   preempt.check()  # a signal while the trainer plans its step stops it before the next compile
-  traced, graphdef, state, mesh, model_config = trace_step(run_config, devices)
+  traced, graphdef, state, mesh, model_config = trace_step(run_config, devices, model_config=model_config, mesh=mesh)
   preempt.check()
   start = time.perf_counter()
   compiled = traced.lower().compile(memory_only_options(devices) if memory_only else None)
@@ -94,10 +96,12 @@ def memory_only_options(devices=None):
   return MEMORY_ONLY_OPTIONS if (devices or jax.devices())[0].platform == "gpu" else None
 
 
-def trace_step(run_config: RunConfig, devices=None):
-  """(the train step traced from shapes alone, graphdef, abstract state, mesh, model config)."""
-  mesh = run_mesh(run_config, devices)
-  model_config = model_config_for(run_config)
+def trace_step(run_config: RunConfig, devices=None, *, model_config=None, mesh=None):
+  """(the train step traced from shapes alone, graphdef, abstract state, mesh, model config). `model_config`,
+  `mesh`: the run's (`train.run.Run`; its mesh is checked to split this run's batch); without them, made from
+  `run_config` (for callers that hold no resolved run)."""
+  mesh = run_mesh(run_config, devices) if mesh is None else check_batch_split(run_config, mesh)
+  model_config = model_config_for(run_config) if model_config is None else model_config
   optimizer, schedule = make_optimizer(run_config.optim, run_config.steps)
   graphdef, state = abstract_train_state(model_config, run_config.runtime, mesh, optimizer, run_config.seed)
   step_fn = jit_train_step(graphdef, optimizer, schedule, model_config, jax.tree.map(lambda x: x.sharding, state),

@@ -17,9 +17,9 @@ from flax import nnx
 from models import families
 from relaymoe_jax.errors import UserError
 from train.data.batches import batch, make_sources, next_token_inputs
-from train.mesh import global_batch, run_mesh
+from train.mesh import check_batch_split, global_batch
 from train.metrics import log_on_process_0
-from train.sources import initial_params, model_config_for
+from train.sources import initial_params
 
 
 def _sums(graphdef, params, batch):
@@ -53,16 +53,16 @@ class Evaluator:
                 eval_s=time.perf_counter() - start)
 
 
-def evaluate_only(run_config):
+def evaluate_only(run):
   """`relaymoe-train --eval-only`: the held-out loss of `init_from`'s weights, printed and written to
-  OUT/eval.json; returns its dict."""
+  OUT/eval.json; returns its dict. `run`: the run resolved (`train.run.resolve_run`: its model config and mesh)."""
+  run_config, model_config, mesh = run.run_config, run.model_config, run.mesh
   if not run_config.init_from:
     raise UserError("--eval-only evaluates the weights of init_from=hf:DIR or init_from=orbax:DIR; none given")
   run_config = dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, remat="none"))
-  model_config = model_config_for(run_config)
   _, source = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len,
                            held_out=True)
-  mesh = run_mesh(run_config)
+  check_batch_split(run_config, mesh)
   params = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)
   graphdef = families.abstract(model_config, mesh, runtime=run_config.runtime)[0]
   values = Evaluator(run_config, source, graphdef, params, mesh)(params)

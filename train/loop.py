@@ -16,19 +16,17 @@ from models import families
 from relaymoe_jax.axes import EXPERT, TENSOR
 from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
-from train.compile import check_fits, compile_step
 from train.config import RunConfig
 from train.data.batches import DataChanged, batch, data_change, data_stamp, make_sources
 from train.evaluate import Evaluator
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
-from train.plan.loss_chunk import resolve_loss_chunk
-from train.plan.remat_auto import resolve_remat, suggest
 from train.rundir.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.profile.window import StepProfiler, check_window
 from train.rundir.directory import RunDirectory
-from train.sources import initial_params, model_config_for
+from train.run import resolve_run, resolve_step
+from train.sources import initial_params
 from train.profile.step_parts import full_op_names
 from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token
 
@@ -92,18 +90,15 @@ def _train(run_config, resume, checkpoints, stop, profile):
     raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
   if profile:
     check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
-  model_config = model_config_for(run_config)
+  resolved = resolve_run(run_config)  # the model config and mesh, once
+  model_config = resolved.model_config
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
   stamp = data_stamp(run_config.data)
   with stop.at_once():  # a signal while the step is planned and compiled (minutes) stops the run there
-    run_config, remat_plan, step = resolve_remat(run_config, resume)
-    run_config, step = resolve_loss_chunk(run_config, step)
-    if step is None:  # neither remat=auto nor the loss chunk's search compiled the step to run
-      log_on_process_0(f"compiling the train step ({model_config.num_hidden_layers} layers, {jax.device_count()} "
-                       "devices)")
-      step = compile_step(run_config)
-    memory = check_fits(run_config, step, suggest)  # before anything is allocated
-  compiled, mesh, compile_s = step.compiled, step.mesh, step.compile_s
+    resolved = resolve_step(resolved, resume)
+    memory = resolved.check_fits()  # before anything is allocated
+  run_config, remat_plan, step, mesh = resolved.run_config, resolved.remat_plan, resolved.step, resolved.mesh
+  compiled, compile_s = step.compiled, step.compile_s
   runtime = run_config.runtime
   if run_config.init_from and not resume:
     params = initial_params(run_config.init_from, model_config, runtime, mesh)

@@ -36,7 +36,11 @@ def token_shards(mesh):
 def run_mesh(run_config, devices=None):
   """The run's mesh, checked to split its batch: each shard of rows (data × expert, or data alone under context
   parallelism) takes whole sequences, and under context parallelism each sequence splits into 2 × expert chunks."""
-  mesh = build_mesh(run_config.mesh, devices)
+  return check_batch_split(run_config, build_mesh(run_config.mesh, devices))
+
+
+def check_batch_split(run_config, mesh):
+  """`mesh`, once the run's batch is checked to split over it (`run_mesh`); raises UserError naming what does not."""
   runtime = run_config.runtime
   shards = batch_shards(mesh, runtime)
   if run_config.micro_batch_size % shards:

@@ -25,9 +25,11 @@ def with_loss_chunk(run_config, chunk_tokens):
                                                                      loss_chunk_tokens=chunk_tokens))
 
 
-def candidates(run_config, devices=None):
-  """The chunks above the default to try: the default doubled while below the tokens per device, then those."""
-  tokens = run_config.batch_size * run_config.seq_len // token_shards(build_mesh(run_config.mesh, devices))
+def candidates(run_config, devices=None, mesh=None):
+  """The chunks above the default to try: the default doubled while below the tokens per device, then those.
+  `mesh`: the run's (`train.run.Run`); without it, built from `run_config` on `devices`."""
+  mesh = build_mesh(run_config.mesh, devices) if mesh is None else mesh
+  tokens = run_config.batch_size * run_config.seq_len // token_shards(mesh)
   chunks = []
   chunk = 2 * DEFAULT_LOSS_CHUNK_TOKENS
   while chunk < 2 * tokens:
@@ -49,28 +51,31 @@ def widest(base_bytes, chunks, bytes_of):
   return best
 
 
-def searches(run_config, devices=None):
+def searches(run_config, devices=None, mesh=None):
   """Whether `resolve_loss_chunk` will compile candidates for this run."""
-  return run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO and bool(candidates(run_config, devices))
+  return run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO and bool(candidates(run_config, devices, mesh))
 
 
-def resolve_loss_chunk(run_config, step=None, devices=None, log=log_on_process_0, base_bytes=None):
+def resolve_loss_chunk(run_config, step=None, devices=None, log=log_on_process_0, base_bytes=None, *,
+                       model_config=None, mesh=None):
   """(the run with `loss_chunk_tokens: auto` replaced by its chunk, the CompiledStep to run it or None where it
   must be compiled); other runs unchanged. `step`: the run's step compiled already (at the default chunk);
-  `base_bytes`: that step's bytes per device where known (the remat plan's), so that none need be compiled."""
+  `base_bytes`: that step's bytes per device where known (the remat plan's), so that none need be compiled.
+  `model_config`, `mesh`: the run's (`train.run.Run`), passed to every compile."""
   if run_config.runtime.loss_chunk_tokens != LOSS_CHUNK_AUTO:
     return run_config, step
   base = with_loss_chunk(run_config, DEFAULT_LOSS_CHUNK_TOKENS)
-  chunks = candidates(run_config, devices)
+  chunks = candidates(run_config, devices, mesh)
   if not chunks:
     return base, step
+  resolved = dict(model_config=model_config, mesh=mesh)
   if base_bytes is None:
-    step = step or compile_step(base, devices)
+    step = step or compile_step(base, devices, **resolved)
     base_bytes = memory_plan(base, step)["total_bytes"]
 
   def bytes_of(chunk):
     config = with_loss_chunk(run_config, chunk)
-    total = memory_plan(config, compile_step(config, devices, memory_only=True))["total_bytes"]
+    total = memory_plan(config, compile_step(config, devices, memory_only=True, **resolved))["total_bytes"]
     log(f"  loss chunk {chunk} tokens: {size(total)} per device ({size(base_bytes)} at "
         f"{DEFAULT_LOSS_CHUNK_TOKENS})")
     return total

@@ -29,10 +29,9 @@ from relaymoe_jax.ring.chunks import default_chunk_rows
 from relaymoe_jax.errors import UserError
 from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
 from train.config import RunConfig
-from train.mesh import build_mesh, token_shards
+from train.mesh import token_shards
 from train.plan.record import Plan
 from train.metrics import peak_tflops, size
-from train.sources import model_config_for
 from train.step import layer_forward_flops, score_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
@@ -101,25 +100,28 @@ def keeps_gate_up(run_config):
           and options.get("recompute", True))
 
 
-def caps_chunks(run_config, devices=None):
-  """Whether FRUGAL_CHUNK_ROWS would shrink this run's chunks: a ring whose chunk sizes the user left to the
-  dispatcher, with a hop's balanced share of pairs above the cap."""
+def caps_chunks(run_config, model_config, mesh):
+  """Whether FRUGAL_CHUNK_ROWS would shrink this run's chunks (of `model_config` on `mesh`): a ring whose chunk
+  sizes the user left to the dispatcher, with a hop's balanced share of pairs above the cap."""
   runtime = run_config.runtime
   if runtime.dispatcher not in RINGS or {"chunk_rows", "max_chunk_rows"} & set(dict(runtime.dispatcher_options)):
     return False
-  mesh = build_mesh(run_config.mesh, devices)
   tokens = run_config.micro_batch_size * run_config.seq_len // token_shards(mesh)
-  top_k = model_config_for(run_config).num_experts_per_tok
+  top_k = model_config.num_experts_per_tok
   ladder = functools.partial(default_chunk_rows, tokens, top_k, mesh.shape[EXPERT])
   return ladder(FRUGAL_CHUNK_ROWS) != ladder()
 
 
 class Planner:
-  """Compiles train steps of one run config (and variations of it) and remembers what each needed."""
+  """Compiles train steps of one run config (and variations of it: shapes, remat, ring options; never the model or
+  the mesh) and remembers what each needed. `model_config`, `mesh`: the run's, resolved once (`train.run.Run`)."""
 
-  def __init__(self, run_config: RunConfig, budget_bytes, log=print, devices=None, keep_steps=False,
-               candidates_to_run=True):
+  def __init__(self, run_config: RunConfig, budget_bytes, *, model_config, mesh, log=print, devices=None,
+               keep_steps=False, candidates_to_run=True):
     self.run_config = run_config
+    self.model_config = model_config
+    self.mesh = mesh
+    self.layers = model_config.num_hidden_layers
     self.devices = devices
     self.budget_bytes = budget_bytes
     self.log = log
@@ -141,7 +143,8 @@ class Planner:
       return self._measured[key]
     cap = self._chunk_cap(changes)
     config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up)
-    step = compile_step(config, self.devices, memory_only=not to_run)
+    step = compile_step(config, self.devices, memory_only=not to_run, model_config=self.model_config,
+                        mesh=self.mesh)
     if self.keep_steps and (to_run or memory_only_options(self.devices) is None):
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
@@ -163,11 +166,11 @@ class Planner:
 
   def _chunk_cap(self, changes):
     run = dataclasses.replace(self.run_config, **changes)
-    return FRUGAL_CHUNK_ROWS if self.cap and caps_chunks(run, self.devices) else None
+    return FRUGAL_CHUNK_ROWS if self.cap and caps_chunks(run, self.model_config, self.mesh) else None
 
   def cap_chunks(self, **changes):
     """From now on, plan with the ring's chunks capped; False where that changes nothing for this run."""
-    if self.cap or not caps_chunks(dataclasses.replace(self.run_config, **changes), self.devices):
+    if self.cap or not caps_chunks(dataclasses.replace(self.run_config, **changes), self.model_config, self.mesh):
       return False
     self.cap = True
     self.log(f"  the most frugal plan does not fit: capping the ring's chunks at {FRUGAL_CHUNK_ROWS} rows")
@@ -195,7 +198,7 @@ class Planner:
   def plan(self, **changes):
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
     fitting, when even that does not fit)."""
-    layers = model_config_for(self.run_config).num_hidden_layers
+    layers = self.layers
     choices = policies(self.devices)
     frugal = choices[0]
     self.prefetch([p for p in ("none", *choices[:-1]) if p != "offload"], **changes)
@@ -237,14 +240,13 @@ class Planner:
     capped, where that shrinks them, else that step marked not fitting."""
     if self.cap_chunks(**changes):
       return self.plan(**changes)
-    layers = model_config_for(self.run_config).num_hidden_layers
-    return self._result((frugal,) * layers, measured, changes)
+    return self._result((frugal,) * self.layers, measured, changes)
 
   def _offloaded(self, layer_plan, changes):
     """`offload` in every layer, estimated from `layer` in every layer without a compile of its own: the same step
     but for each layer's saved input, which moves to host memory. Marked `estimated`: a plan that relies on it is
     compiled before it is trusted."""
-    moved = model_config_for(self.run_config).num_hidden_layers * self._layer_input_bytes(changes)
+    moved = self.layers * self._layer_input_bytes(changes)
     self.log(f"  offload (estimated: layer's step less {size(moved)} of layer inputs, now in host memory): "
              f"{size(layer_plan['total_bytes'] - moved)} per device")
     return dict(layer_plan, remat="offload", total_bytes=layer_plan["total_bytes"] - moved,
@@ -253,8 +255,8 @@ class Planner:
   def _layer_input_bytes(self, changes):
     """Bytes per device of one layer's input, [tokens per device, D] in the compute dtype."""
     run = dataclasses.replace(self.run_config, **changes)
-    tokens = run.micro_batch_size * run.seq_len // token_shards(build_mesh(run.mesh, self.devices))
-    return tokens * model_config_for(run).hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
+    tokens = run.micro_batch_size * run.seq_len // token_shards(self.mesh)
+    return tokens * self.model_config.hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
 
   def _greedy(self, uniform, layers, changes):
     """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
@@ -281,9 +283,8 @@ class Planner:
   def _recompute_seconds(self, changes):
     """Estimated backward recompute time per layer of each policy on this run (the mean over layers)."""
     run = dataclasses.replace(self.run_config, **changes)
-    c = model_config_for(run)
-    mesh = build_mesh(run.mesh, self.devices)
-    tokens = run.micro_batch_size * run.seq_len / token_shards(mesh)
+    c = self.model_config
+    tokens = run.micro_batch_size * run.seq_len / token_shards(self.mesh)
     attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
                                                                     for i in range(c.num_hidden_layers))))
     peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
@@ -323,8 +324,7 @@ class Planner:
       if hi is not None and hi - lo <= step:
         if upgrade:
           return self.plan(**{key: lo}), hi
-        layers = model_config_for(self.run_config).num_hidden_layers
-        return self._result((frugal,) * layers, self.measure(frugal, **{key: lo}), {key: lo}), hi
+        return self._result((frugal,) * self.layers, self.measure(frugal, **{key: lo}), {key: lo}), hi
       n = self._next_size(sizes, lo, hi, step, granule)
 
   def _next_size(self, sizes, lo, hi, step, granule):
@@ -362,10 +362,11 @@ def budget_bytes(run_config, limit):
   return int(limit * (1 - run_config.memory_headroom))
 
 
-def make_planner(run_config, log=print, devices=None, keep_steps=False, candidates_to_run=True):
+def make_planner(run_config, model_config, mesh, log=print, devices=None, keep_steps=False, candidates_to_run=True):
+  """The Planner of `run_config` (of `model_config` on `mesh`) with the device's budget."""
   limit = device_limit_bytes(run_config)
   if limit is None:
     raise UserError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
                     "(e.g. device_memory_gib=132 for 95% of an H200)")
-  return Planner(run_config, budget_bytes(run_config, limit), log=log, devices=devices, keep_steps=keep_steps,
-                 candidates_to_run=candidates_to_run)
+  return Planner(run_config, budget_bytes(run_config, limit), model_config=model_config, mesh=mesh, log=log,
+                 devices=devices, keep_steps=keep_steps, candidates_to_run=candidates_to_run)

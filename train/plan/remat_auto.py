@@ -13,12 +13,12 @@ from train.plan.loss_chunk import resolve_loss_chunk, searches, with_loss_chunk
 from train.metrics import log_on_process_0, size
 from train.plan.planner import apply_plan, make_planner
 from train.plan.record import PLAN_FILE, cached_plan_path, plan_from_dict, plan_key, store_plan, stored_plan
-from train.sources import model_config_for
 
 
-def resolve_remat(run_config, resume=False):
+def resolve_remat(run_config, model_config, mesh, resume=False):
   """(the run with `remat: auto` replaced by the planned per-layer policies, the Plan, that plan's CompiledStep or
-  None where the plan was a stored one); other runs unchanged, with None for both. A new plan also records
+  None where the plan was a stored one); other runs unchanged, with None for both. `model_config`, `mesh`: the
+  run's, resolved once (`train.run.Run`). A new plan also records
   `loss_chunk_tokens: auto`'s choice, searched with the plan's step, so that a rerun searches neither.
 
   A `resume` keeps the plan the run's checkpoints were written with, whatever would be planned now (with
@@ -26,7 +26,6 @@ def resolve_remat(run_config, resume=False):
   run directory: its `run_config.json`, written once the checkpoint has restored, records the plan."""
   if run_config.runtime.remat != REMAT_AUTO:
     return run_config, None, None
-  model_config = model_config_for(run_config)
   layers, out = model_config.num_hidden_layers, pathlib.Path(run_config.out_dir)
   own = _checkpoints_plan(out, layers) if resume else None
   if own:
@@ -34,8 +33,8 @@ def resolve_remat(run_config, resume=False):
     log_on_process_0(f"remat auto: {plan.summary()}, the plan this run's checkpoints were written with ({where})")
     return _applied(run_config, plan), plan, None
   # Where the loss chunk is still to be searched, the plan's step is not the one to run: compiled for memory only.
-  planner = make_planner(run_config, log=log_on_process_0, keep_steps=True,
-                         candidates_to_run=not searches(run_config))
+  planner = make_planner(run_config, model_config, mesh, log=log_on_process_0, keep_steps=True,
+                         candidates_to_run=not searches(run_config, mesh=mesh))
   path = None if resume else out / PLAN_FILE
   key = plan_key(run_config, model_config, planner.budget_bytes)
   cached = cached_plan_path(run_config, key)
@@ -54,7 +53,7 @@ def resolve_remat(run_config, resume=False):
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
   chosen, step = resolve_loss_chunk(apply_plan(run_config, plan), planner.compiled_step(plan.remat, plan.keep_gate_up),
-                                    base_bytes=plan.total_bytes)
+                                    base_bytes=plan.total_bytes, model_config=model_config, mesh=mesh)
   if run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO:  # a chunk the user set is no choice of the plan's
     plan.loss_chunk_tokens = chosen.runtime.loss_chunk_tokens
   run_config = chosen
@@ -113,9 +112,10 @@ def _quiet(*_):
   pass
 
 
-def suggest(run_config):
-  """What the planner would change so that the run fits, in one sentence (it compiles a few variants)."""
-  plan = make_planner(run_config, log=_quiet).plan()
+def suggest(run_config, model_config, mesh):
+  """What the planner would change so that the run (of `model_config` on `mesh`) fits, in one sentence (it compiles
+  a few variants)."""
+  plan = make_planner(run_config, model_config, mesh, log=_quiet).plan()
   if plan.fits:
     return (f"With runtime.remat=auto it fits: {plan.summary()}, {size(plan.total_bytes)} per device "
             f"(`relaymoe-plan` prints the plan).")

@@ -12,7 +12,6 @@ from jax.experimental import topologies
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import MissingInput, UserError
-from train.mesh import build_mesh
 from train.plan.planner import make_planner
 
 
@@ -38,15 +37,17 @@ def variant_config(run_config, name):
       runtime, dispatcher="all_to_all", dispatcher_options={**backend, **VARIANTS[name]}))
 
 
-def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
+def search(run, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=print, devices=None,
            upgrade=True):
-  """Per variant: the plan at the run's shape, or (maximize="seq") the longest seq_len at one sequence per shard
-  of rows (per token shard; under context parallelism per 'data' shard, each sequence spanning 'expert'), or
+  """Per variant of `run` (`train.run.Run`: the run config, its model config, its mesh over `devices`): the plan
+  at the run's shape, or (maximize="seq") the longest seq_len at one sequence per shard of rows (per token shard;
+  under context parallelism per 'data' shard, each sequence spanning 'expert'), or
   (maximize="batch") the largest batch_size at the run's seq_len in one pass, each with its plan; where the run's
   batch_size is larger, the plan for it in the fewest micro-batches that fit (`accumulating`). Returns
   {variant: dict(plan=Plan or None, not_fitting=the smallest size found not to fit)}."""
   results = {}
-  mesh = build_mesh(run_config.mesh, devices)
+  run_config, model_config, mesh = run.run_config, run.model_config, run.mesh
+  resolved = dict(model_config=model_config, mesh=mesh, log=log, devices=devices)
   shards = batch_shards(mesh, run_config.runtime)
   if run_config.runtime.context_parallel:  # a sequence splits into 2 × expert chunks
     granule = math.lcm(granule or 1024, 2 * mesh.shape[EXPERT])
@@ -54,15 +55,15 @@ def search(run_config, *, maximize=None, granule=None, variants=tuple(VARIANTS),
   for name, config in configs.items():
     log(f"{name} ({config.runtime.dispatcher}):")
     if maximize == "seq":
-      planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), log, devices)
+      planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), **resolved)
       plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
     elif maximize == "batch":
-      planner = make_planner(dataclasses.replace(config, micro_batches=1), log, devices)
+      planner = make_planner(dataclasses.replace(config, micro_batches=1), **resolved)
       plan, above = planner.maximize("batch_size", (granule or 1) * shards, upgrade)
       if plan is not None and run_config.batch_size > plan.batch_size:
         plan = accumulating(planner, run_config.batch_size, plan.batch_size, shards, log) or plan
     else:
-      plan, above = make_planner(config, log, devices).plan(), None
+      plan, above = make_planner(config, **resolved).plan(), None
     results[name] = dict(dispatcher=config.runtime.dispatcher, plan=plan, not_fitting=above,
                          options=dict(config.runtime.dispatcher_options))
   return results
