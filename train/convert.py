@@ -13,20 +13,20 @@ while they pass through.
 """
 
 import argparse
-import json
 import os
 import pathlib
 import sys
+from typing import NamedTuple
 
 import jax
-import yaml
 
 from models.config import override, parse_assignment
 from models.hf.transfer import check_export_target, to_hf
+from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import MissingInput, UserError
 from train.rundir.checkpoints import Checkpoints, save_params
 from train.compile import abstract_train_state
-from train.config import MeshConfig
+from train.config import MeshConfig, RunConfig
 from train.errors import run_cli
 from train.mesh import build_mesh
 from train.sources import (CONVERTED_RUNTIME, MODEL_YAML, PARAMS, initial_params, model_from_params,
@@ -34,15 +34,13 @@ from train.sources import (CONVERTED_RUNTIME, MODEL_YAML, PARAMS, initial_params
 from train.step import make_optimizer
 
 
-def hf_to_orbax(hf_dir, out_dir, overrides, mesh):
-  """OUT_DIR/model.yaml and OUT_DIR/params from a Hugging Face directory."""
-  _check_hf_dir(hf_dir)
+def hf_to_orbax(hf_dir, out_dir, config, mesh):
+  """OUT_DIR/model.yaml and OUT_DIR/params from a Hugging Face directory whose architecture (read once, with the
+  overrides: `source_config`) is `config`."""
   out_dir = pathlib.Path(out_dir).absolute()
   if (out_dir / PARAMS).exists():
     raise UserError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
-  init_from = f"hf:{hf_dir}"
-  config, _ = source_config(init_from, overrides)
-  params = initial_params(init_from, config, CONVERTED_RUNTIME, mesh)
+  params = initial_params(f"hf:{hf_dir}", config, CONVERTED_RUNTIME, mesh)
   out_dir.mkdir(parents=True, exist_ok=True)
   save_params(out_dir / PARAMS, params)
   if jax.process_index() == 0:
@@ -55,33 +53,47 @@ def _check_hf_dir(hf_dir):
     raise MissingInput(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
 
 
-def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None, overwrite=False):
-  """A Hugging Face directory from `hf-to-orbax`'s output or a training run's checkpoint; an earlier export in
-  `hf_dir` is refused before anything is read, or with `overwrite` replaced."""
-  check_export_target(hf_dir, overwrite)
+class OrbaxSource(NamedTuple):
+  """`orbax-to-hf`'s source, read once: its architecture, the runtime its parameters are laid out with, and where
+  they are (`hf-to-orbax`'s output, or a training run and the run config it stored)."""
+
+  path: pathlib.Path
+  config: object
+  runtime: RuntimeConfig
+  run: RunConfig | None  # a training run's
+
+  def params(self, mesh, step=None):
+    """The parameters on `mesh`: the converter's, or the run's newest checkpoint that reads (or `step`)."""
+    if self.run is None:
+      if step is not None:
+        raise UserError(f"--step: {self.path} holds one set of parameters, not a run's checkpoints")
+      return restore_params(self.path / PARAMS, self.config, self.runtime, mesh, self.runtime)
+    optimizer, _ = make_optimizer(self.run.optim, self.run.steps)
+    _, abstract = abstract_train_state(self.config, self.runtime, mesh, optimizer)
+    with Checkpoints(self.path / "checkpoints", self.run.keep_checkpoints) as checkpoints:
+      state, _ = checkpoints.restore(abstract, step=step)
+    return state.params
+
+
+def orbax_source(source):
+  """The OrbaxSource at `source`, its model config read once."""
   source = pathlib.Path(source).absolute()
   if (source / MODEL_YAML).exists():
-    if step is not None:
-      raise UserError(f"--step: {source} holds one set of parameters, not a run's checkpoints")
-    config, runtime = read_model_yaml(source / MODEL_YAML)
-    params = restore_params(source / PARAMS, config, runtime, mesh, runtime)
-  elif (source / "run_config.json").exists():
-    config, runtime, params = _run_params(source, mesh, step)
-  else:
-    raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
-                       "(run_config.json)")
-  to_hf(model_from_params(config, runtime, mesh, params), hf_dir, dtype=dtype, overwrite=overwrite)
-  return config
+    return OrbaxSource(source, *read_model_yaml(source / MODEL_YAML), None)
+  if (source / "run_config.json").exists():
+    run, config = stored_run(source)
+    return OrbaxSource(source, config, run.runtime, run)
+  raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
+                     "(run_config.json)")
 
 
-def _run_params(run_dir, mesh, step):
-  """(architecture, runtime, parameters) of a training run's newest checkpoint that reads (or `step`)."""
-  run, config = stored_run(run_dir)
-  optimizer, _ = make_optimizer(run.optim, run.steps)
-  _, abstract = abstract_train_state(config, run.runtime, mesh, optimizer)
-  with Checkpoints(run_dir / "checkpoints", run.keep_checkpoints) as checkpoints:
-    state, _ = checkpoints.restore(abstract, step=step)
-  return config, run.runtime, state.params
+def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None, overwrite=False):
+  """A Hugging Face directory from an OrbaxSource (`hf-to-orbax`'s output or a training run's checkpoint); an
+  earlier export in `hf_dir` is refused before any parameter is read, or with `overwrite` replaced."""
+  check_export_target(hf_dir, overwrite)
+  params = source.params(mesh, step)
+  to_hf(model_from_params(source.config, source.runtime, mesh, params), hf_dir, dtype=dtype, overwrite=overwrite)
+  return source.config
 
 
 def _mesh(assignments, num_experts):
@@ -133,25 +145,17 @@ def _convert(args):
   mesh_assignments = [a for a in args.overrides if a.startswith("mesh.")]
   if args.command == "hf-to-orbax":
     _check_hf_dir(args.hf_dir)
-    experts = source_config(f"hf:{args.hf_dir}", model_overrides)[0].num_experts
-    config = hf_to_orbax(args.hf_dir, args.out_dir, model_overrides, _mesh(mesh_assignments, experts))
+    config = source_config(f"hf:{args.hf_dir}", model_overrides)[0]  # the architecture, read once
+    hf_to_orbax(args.hf_dir, args.out_dir, config, _mesh(mesh_assignments, config.num_experts))
     print(f"wrote {args.out_dir}/{MODEL_YAML} and {args.out_dir}/{PARAMS} ({config.num_hidden_layers} layers); "
           f"train from it with init_from=orbax:{args.out_dir}")
     return
   if model_overrides:
     raise UserError("orbax-to-hf takes the model config from its source; model.KEY=VALUE is not taken here")
-  experts = _source_experts(pathlib.Path(args.source))
-  orbax_to_hf(args.source, args.hf_dir, _mesh(mesh_assignments, experts), args.step, args.dtype, args.overwrite)
+  source = orbax_source(args.source)  # the architecture, read once
+  orbax_to_hf(source, args.hf_dir, _mesh(mesh_assignments, source.config.num_experts), args.step, args.dtype,
+              args.overwrite)
   print(f"wrote {args.hf_dir} (config.json and safetensors, per-expert layout)")
-
-
-def _source_experts(source):
-  if (source / MODEL_YAML).exists():
-    return yaml.safe_load((source / MODEL_YAML).read_text())["num_experts"]
-  if (source / "run_config.json").exists():
-    return json.loads((source / "run_config.json").read_text())["model"]["num_experts"]
-  raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
-                     "(run_config.json)")
 
 
 if __name__ == "__main__":
