@@ -264,9 +264,8 @@ def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_no
     return (_einsum("bhij,bhjk->bhik", mn_BHKK, m_BHKK),
             _einsum("bhij,bhjv->bhiv", mn_BHKK, b_BHKV) + bn_BHKV), None
 
-  batch, _, num_v_heads, value_dim = v.shape
-  init = (jnp.broadcast_to(eye_KK, (batch, num_v_heads) + eye_KK.shape),
-          jnp.zeros((batch, num_v_heads, k.shape[-1], value_dim), jnp.float32))
+  # zeros_like: under shard_map the carries vary over the mesh axes as the inputs do.
+  init = (eye_KK + jnp.zeros_like(m_BNHKK[:, 0]), jnp.zeros_like(b_BNHKV[:, 0]))
   (m_BHKK, b_BHKV), _ = lax.scan(
       step, init, (jnp.moveaxis(m_BNHKK, 1, 0), jnp.moveaxis(b_BNHKV, 1, 0)))
   return m_BHKK, b_BHKV

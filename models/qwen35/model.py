@@ -21,11 +21,11 @@ from flax import nnx
 
 from models.attention.context_parallel import splits_sequences
 from models.attention.gated_delta import gated_delta_rule
+from models.attention.gated_delta_context import context_causal_conv, context_gated_delta_rule
 from models.qwen3 import model as qwen3
 from models.qwen35.config import FULL
 from models.runtime import RuntimeConfig
 from models.sharding import make_param
-from relaymoe_jax.errors import UserError
 
 
 def zero_centred_rms_norm(x, weight, eps):
@@ -98,9 +98,7 @@ class GatedDeltaNet(qwen3.Layer):
 
   def __init__(self, config, runtime, mesh, rngs):
     super().__init__(config, runtime)
-    if splits_sequences(runtime, mesh):  # its recurrence would read each device's shards as one sequence
-      raise UserError("runtime.context_parallel is not supported with Gated DeltaNet layers (Qwen3.5) yet: "
-                      "set it to false")
+    self.mesh = mesh
     param = functools.partial(make_param, config, runtime, mesh, rngs)
     c = config
     d, heads = c.hidden_size, c.linear_num_value_heads
@@ -125,13 +123,16 @@ class GatedDeltaNet(qwen3.Layer):
       z = (x_BSD @ self.cast(self.in_z_DC)).reshape(b, s, hv, dv)
       beta = jax.nn.sigmoid((x_BSD @ self.cast(self.in_b_DC)).astype(jnp.float32))
       a = (x_BSD @ self.cast(self.in_a_DC)).astype(jnp.float32)
+    split = splits_sequences(self.runtime, self.mesh)  # each device holds two chunks: state passing across them
+    conv = functools.partial(context_causal_conv, causal_conv, mesh=self.mesh) if split else causal_conv
+    rule = functools.partial(context_gated_delta_rule, mesh=self.mesh) if split else gated_delta_rule
     with jax.named_scope("delta_conv"):
-      qkv_BSC = jax.nn.silu(causal_conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS))
+      qkv_BSC = jax.nn.silu(conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS=segment_ids_BS))
     q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
     g = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias_Q[...].astype(jnp.float32))
     with jax.named_scope("gated_delta"):
-      o, _ = gated_delta_rule(q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), g, beta,
-                              segment_ids=segment_ids_BS)
+      o, _ = rule(q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), g, beta,
+                  segment_ids=segment_ids_BS)
     with jax.named_scope("projection"):
       o = gated_rms_norm(o, z, self.norm_X[...], c.rms_norm_eps)
       return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)

@@ -1,0 +1,134 @@
+"""Context parallelism for Gated DeltaNet layers: one sequence spread over the mesh's 'expert' axis, by state passing.
+
+Layout: as `models.attention.context_parallel` (device i of the N on 'expert' holds sequence chunks i and 2N−1−i of
+C tokens each, "held order"; rows over 'data'). Two pieces, each one `jax.shard_map`:
+
+- `context_causal_conv`: the depthwise causal conv of window W needs the W − 1 tokens before each chunk. Every
+  device all-gathers the last W − 1 rows (and segment ids) of its two chunks over 'expert' (2N × (W − 1) rows of
+  the conv's channels, tiny) and prepends its chunks' predecessors in sequence order (zeros before chunk 0).
+- `context_gated_delta_rule`: the delta rule's state is what crosses chunk boundaries. Each device computes the
+  affine state map (M, b) of each of its chunks (`chunk_transition`) and all-gathers them over 'expert':
+  2N × (K×K + K×V) float32 per head per row (4 MiB a chunk for 32 heads of 128 × 128: 32 MiB a row over 4
+  devices). It reorders them into sequence order, prefix-combines them (`combine_transitions`; a document starting
+  exactly at a chunk edge resets the state) and reruns the chunked rule on each of its chunks from that chunk's
+  initial state. The chunks' first and last segment ids are gathered with the maps (4 integers per row per device).
+
+Backward: autodiff through the all-gathers (their transpose is a reduce-scatter: each device gets the gradients
+of its own halo rows and maps summed over the devices that read them).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from models.attention.context_parallel import check_sequence
+from models.attention.gated_delta import chunk_transition, combine_transitions, gated_delta_rule
+from relaymoe_jax.axes import DATA, EXPERT
+from relaymoe_jax.errors import UserError
+
+
+def _sharded(local, mesh, arrays, optional):
+  """shard_map of `local` over rows ('data') and the held sequence ('expert'); `optional` arrays (None or [B, S])
+  go after `arrays` ([B, S, ...]); the result is laid out as the first array."""
+  spec = P(DATA, EXPERT)
+  specs = tuple(spec for _ in arrays) + tuple(None if x is None else spec for x in optional)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=True)(*arrays, *optional)
+
+
+def _local_chunks(x_BS):
+  """A device's [b, 2C, ...] rows → [2, b, C, ...]: its early chunk, then its late one."""
+  return jnp.moveaxis(x_BS.reshape(x_BS.shape[0], 2, x_BS.shape[1] // 2, *x_BS.shape[2:]), 1, 0)
+
+
+def _from_local_chunks(x_2BC):
+  return jnp.moveaxis(x_2BC, 0, 1).reshape(x_2BC.shape[1], -1, *x_2BC.shape[3:])
+
+
+def _gathered_in_sequence_order(x_2B):
+  """[2, ...] of each device (its early and late chunk) → [2N, ...] of every chunk in sequence order: all_gather over
+  'expert' gives [N, 2, ...]; chunk m < N is device m's early one, chunk m ≥ N device 2N−1−m's late one."""
+  all_N2B = jax.lax.all_gather(x_2B, EXPERT, axis=0)
+  return jnp.concatenate([all_N2B[:, 0], all_N2B[::-1, 1]], axis=0)
+
+
+def _own_chunks(x_PB, ring):
+  """This device's two chunks' entries ([2, ...]) of a [2N, ...] array in sequence order."""
+  i = jax.lax.axis_index(EXPERT)
+  pick = lambda m: jax.lax.dynamic_index_in_dim(x_PB, m, axis=0, keepdims=False)
+  return jnp.stack([pick(i), pick(2 * ring - 1 - i)])
+
+
+def _halo(x_2BC, halo, ring):
+  """The `halo` rows before each of this device's two chunks, [2, b, halo, ...]: zeros before chunk 0."""
+  tails_PB = _gathered_in_sequence_order(x_2BC[:, :, -halo:])
+  before_PB = jnp.concatenate([jnp.zeros_like(tails_PB[:1]), tails_PB[:-1]], axis=0)
+  return _own_chunks(before_PB, ring)
+
+
+def context_causal_conv(conv, x_BSC, w_CW, *, mesh, segment_ids_BS=None):
+  """`conv(x_BSC, w_CW, segment_ids_BS)` (a causal conv of window W = w_CW.shape[1], e.g.
+  `models.qwen35.model.causal_conv`) of sequences in held order, split over 'expert'.
+
+  Moves: all_gather over 'expert' of each chunk's last W − 1 rows of x (and of the segment ids); its transpose, a
+  reduce-scatter, in backward. The conv weight is replicated (its gradient is summed over the devices)."""
+  ring, halo = mesh.shape[EXPERT], w_CW.shape[1] - 1
+  check_sequence(x_BSC.shape[1], ring)
+  if x_BSC.shape[1] // (2 * ring) < halo:
+    raise UserError(f"context parallelism over {EXPERT}={ring}: chunks of {x_BSC.shape[1] // (2 * ring)} tokens are "
+                    f"shorter than the DeltaNet conv's {halo} tokens of history")
+
+  def local(x_BSC, w_CW, seg_BS):
+    x_2BC = _local_chunks(x_BSC)
+    wide_2BC = jnp.concatenate([_halo(x_2BC, halo, ring), x_2BC], axis=2)
+    seg_2BC = None
+    if seg_BS is not None:  # before chunk 0 the halo is zeros, whatever its segment ids say
+      seg_2BC = _local_chunks(seg_BS)
+      seg_2BC = jnp.concatenate([_halo(seg_2BC, halo, ring), seg_2BC], axis=2)
+      seg_2BC = seg_2BC.reshape(-1, seg_2BC.shape[-1])
+    out = conv(wide_2BC.reshape(-1, *wide_2BC.shape[2:]), w_CW, seg_2BC)
+    return _from_local_chunks(out.reshape(wide_2BC.shape)[:, :, halo:])
+
+  spec = P(DATA, EXPERT)
+  seg_spec = None if segment_ids_BS is None else spec
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), seg_spec), out_specs=spec,
+                       check_vma=True)(x_BSC, w_CW, segment_ids_BS)
+
+
+def _initial_states(ms_2B, bs_2B, seg_2BC, ring):
+  """Each of this device's two chunks' initial state [2, b, H, K, V] from every chunk's gathered state map."""
+  resets = None
+  if seg_2BC is not None:
+    ends_P2B = _gathered_in_sequence_order(jnp.stack([seg_2BC[..., 0], seg_2BC[..., -1]], axis=1))
+    resets = jnp.concatenate([jnp.zeros_like(ends_P2B[:1, 0], dtype=bool),
+                              ends_P2B[1:, 0] != ends_P2B[:-1, 1]], axis=0)
+  ms_PB, bs_PB = _gathered_in_sequence_order(ms_2B), _gathered_in_sequence_order(bs_2B)
+  states_PB = combine_transitions(ms_PB, bs_PB, initial_state=jnp.zeros_like(bs_PB[0]), resets=resets)
+  return _own_chunks(states_PB, ring)
+
+
+def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_size=64, l2_normalize=True):
+  """`gated_delta_rule` (same arguments, no initial or final state) of sequences in held order, split over 'expert'.
+
+  Moves: all_gather over 'expert' of every chunk's state map, 2N × (K×K + K×V) float32 per value head per row, and
+  of the chunks' first and last segment ids; a reduce-scatter of their gradients in backward.
+
+  Returns:
+    (o [B, S, Hv, V] in v's dtype, held order, laid out as v; None: no final state), as `gated_delta_rule`.
+  """
+  ring = mesh.shape[EXPERT]
+  check_sequence(v.shape[1], ring)
+  rule = dict(chunk_size=chunk_size, l2_normalize=l2_normalize)
+
+  def local(q, k, v, g, beta, seg_BS):
+    chunked = [_local_chunks(x) for x in (q, k, v, g, beta)]
+    rows = lambda x_2BC: x_2BC.reshape(-1, *x_2BC.shape[2:])  # the two chunks as rows of one batch
+    seg_2BC = None if seg_BS is None else _local_chunks(seg_BS)
+    seg_rows = None if seg_2BC is None else rows(seg_2BC)
+    ms, bs = chunk_transition(*map(rows, chunked), segment_ids=seg_rows, **rule)
+    unrows = lambda x: x.reshape(2, -1, *x.shape[1:])
+    states_2B = _initial_states(unrows(ms), unrows(bs), seg_2BC, ring)
+    o, _ = gated_delta_rule(*map(rows, chunked), segment_ids=seg_rows, initial_state=rows(states_2B), **rule)
+    return _from_local_chunks(unrows(o))
+
+  return _sharded(local, mesh, (q, k, v, g, beta), (segment_ids,)), None
+

@@ -1,0 +1,116 @@
+"""Context parallelism for the Gated DeltaNet layers (`models.attention.gated_delta_context`): `qwen3.5-tiny` on a mesh
+of 2 data × 4 expert gives, with each sequence split into 8 chunks over the expert devices, the same logits and the
+same gradients of its loss as the same parameters without context parallelism, with and without packed documents
+(boundaries inside a chunk, one token into a chunk so the conv's halo crosses documents, and exactly at chunk
+edges)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import assert_close, requires_devices
+from models import families
+from models.attention.context_parallel import to_held_order, to_sequence_order
+from models.attention.gated_delta import gated_delta_rule
+from models.attention.gated_delta_context import context_gated_delta_rule
+from models.runtime import RuntimeConfig
+from train.config import MeshConfig
+from train.mesh import build_mesh
+
+# 8 chunks of 8 tokens over the 4 expert devices; 8 rows, as the model without context parallelism splits rows over
+# all 8 devices.
+ROWS, LENGTH = 8, 64
+RTOL = 1e-5
+# Row 0: boundaries inside chunks (13, 30) and one token into chunk 2 (17: the conv's halo crosses documents); row 1:
+# boundaries at chunk edges (8, 40, 56: device 1's early chunk, device 2's late chunk, device 0's late chunk).
+SEGMENTS = np.tile([np.searchsorted([13, 17, 30], np.arange(LENGTH), side="right"),
+                    np.searchsorted([8, 40, 56], np.arange(LENGTH), side="right")], (ROWS // 2, 1)).astype(np.int32)
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+  requires_devices(8)
+
+
+@functools.cache
+def _mesh():
+  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
+
+
+@functools.cache
+def _models():
+  """(without, with context parallelism): the same parameters, only the runtime differs."""
+  config, mesh = families.load_config("qwen3.5-tiny"), _mesh()
+  runtime = dict(dtype="float32", dispatcher="dense")
+  plain = families.create_sharded(config, mesh, runtime=RuntimeConfig(**runtime))
+  split = families.create_sharded(config, mesh, seed=1, runtime=RuntimeConfig(**runtime, context_parallel=True))
+  nnx.update(split, nnx.state(plain, nnx.Param))
+  return plain, split
+
+
+def _inputs():
+  tokens = np.random.default_rng(0).integers(0, 128, (ROWS, LENGTH + 1)).astype(np.int32)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+_logits = nnx.jit(lambda model, tokens, segment_ids: model(tokens, segment_ids))
+
+
+@nnx.jit
+def _loss_and_grads(model, tokens, labels, segment_ids):
+  loss = lambda model: model.mean_cross_entropy_and_aux(tokens, labels, segment_ids)[0]
+  return nnx.value_and_grad(loss)(model)
+
+
+def _params(grads):
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+@pytest.mark.parametrize("segment_ids", [None, SEGMENTS], ids=["one-document", "documents"])
+def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
+  tokens, _ = _inputs()
+  plain, split = _models()
+  expected = np.asarray(_logits(plain, tokens, segment_ids))
+  assert_close(np.asarray(_logits(split, tokens, segment_ids)), expected, RTOL, "logits")
+
+
+@pytest.mark.parametrize("segment_ids", [None, SEGMENTS], ids=["one-document", "documents"])
+def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids):
+  """Every parameter's gradient within RTOL of the largest gradient (0.02): the decay's parameters in the first layer
+  have gradients of 5e-7, sums of cancelling terms, and the two chunkings round them differently by 5e-9."""
+  tokens, labels = _inputs()
+  plain, split = _models()
+  loss, grads = _loss_and_grads(plain, tokens, labels, segment_ids)
+  split_loss, split_grads = _loss_and_grads(split, tokens, labels, segment_ids)
+  np.testing.assert_allclose(float(split_loss), float(loss), rtol=RTOL)
+  expected, actual = _params(grads), _params(split_grads)
+  scale = max(np.abs(x).max() for x in jax.tree.leaves(expected))
+  for path, value in jax.tree_util.tree_leaves_with_path(expected):
+    got = functools.reduce(lambda tree, key: tree[key.key], path, actual)
+    assert np.abs(got - value).max() <= RTOL * scale, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("segment_ids", [None, SEGMENTS[:2]], ids=["one-document", "documents"])
+def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids):
+  """The rule alone on random inputs (decays up to 0.5 a token, so the passed state matters): output and every
+  input's gradient, each within RTOL of its largest entry."""
+  rng = np.random.default_rng(1)
+  q, k, v, w = (rng.normal(size=(2, LENGTH, 2, 8)).astype(np.float32) for _ in range(4))
+  g, beta = -rng.uniform(0.01, 0.5, (2, LENGTH, 2)), rng.uniform(0.1, 0.9, (2, LENGTH, 2))
+  held = lambda x: None if x is None else to_held_order(jnp.asarray(x), 4)
+
+  def whole(*args):
+    return jnp.sum(gated_delta_rule(*args, segment_ids=segment_ids)[0] * w)
+
+  def split(*args):
+    o, _ = context_gated_delta_rule(*map(held, args), mesh=_mesh(), segment_ids=held(segment_ids))
+    return jnp.sum(to_sequence_order(o, 4) * w)
+
+  inputs = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+  expected = jax.jit(jax.value_and_grad(whole, argnums=range(5)))(*inputs)
+  actual = jax.jit(jax.value_and_grad(split, argnums=range(5)))(*inputs)
+  assert_close(actual, expected, RTOL, "output and gradients")
