@@ -24,6 +24,7 @@ from relaymoe_jax.errors import UserError
 from train.config import MeshConfig, load_run_config
 from train.loop import run
 from train.mesh import build_mesh
+from train.profile.step_parts import full_op_names, parse_hlo, part_of
 from train.step import delta_flops, layer_forward_flops
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
@@ -200,3 +201,15 @@ def test_on_a_gpu_each_dispatcher_trains_qwen35_as_dense(dispatcher):
   loss_ref, grads_ref = _gpu_gradients("dense")
   assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-5 * loss_ref, (loss, loss_ref)
   rmt.assert_trees_close(grads, grads_ref, 2e-3)
+
+
+def test_the_step_profile_names_the_deltanet_a_part_of_its_own():
+  """The compiled forward's DeltaNet instructions (its conv, gates and delta rule) go to the part `deltanet`, the
+  gated attention's to `attention`, the MoE's to its two parts."""
+  model = _random()
+  tokens = _random_tokens(64)
+  graphdef, state = nnx.split(model)
+  with full_op_names(True):
+    hlo = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, tokens).compile().as_text()
+  parts = {part_of(i) for i in parse_hlo(hlo).values()}
+  assert {"deltanet", "attention", "moe_matmul", "moe_other", "projection"} <= parts, parts

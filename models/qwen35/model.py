@@ -126,11 +126,10 @@ class GatedDeltaNet(qwen3.Layer):
     split = splits_sequences(self.runtime, self.mesh)  # each device holds two chunks: state passing across them
     conv = functools.partial(context_causal_conv, causal_conv, mesh=self.mesh) if split else causal_conv
     rule = functools.partial(context_gated_delta_rule, mesh=self.mesh) if split else gated_delta_rule
-    with jax.named_scope("delta_conv"):
+    with jax.named_scope("deltanet"):  # the step profile's part (`train.profile.step_parts`): conv, gates, rule
       qkv_BSC = jax.nn.silu(conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS=segment_ids_BS))
-    q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
-    g = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias_Q[...].astype(jnp.float32))
-    with jax.named_scope("gated_delta"):
+      q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
+      g = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias_Q[...].astype(jnp.float32))
       o, _ = rule(q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), g, beta,
                   segment_ids=segment_ids_BS)
     with jax.named_scope("projection"):

@@ -1,7 +1,7 @@
 """Where a train step's device time goes, by part of the model: each profiled kernel (GPU) or op (CPU) is mapped
 to the HLO instruction it ran (the trace's `hlo_op`), and that instruction to a part by the JAX name scopes in its
 `op_name` metadata (`models/qwen3/model.py`'s `lm_head`, `attention`, `moe`, `router`, `projection`, `norm`, `rope`;
-`train/step.py`'s `optimizer`), read from the compiled executable's HLO text. Its opcode decides the rest:
+`models/qwen35/model.py`'s `deltanet`; `train/step.py`'s `optimizer`), read from the compiled executable's HLO text. Its opcode decides the rest:
 collectives are communication wherever they sit, copies are copies, and inside `moe` the matmuls (outside
 `router`) are the grouped matmuls.
 
@@ -20,18 +20,19 @@ from train.profile.trace_events import union_us
 from train.xla_cache import compiled_afresh
 
 PARTS = {  # part: its row in the table, in order
-    "lm_head": "LM head and loss", "attention": "attention", "moe_matmul": "MoE grouped matmuls",
+    "lm_head": "LM head and loss", "attention": "attention", "deltanet": "Gated DeltaNet (conv, gates, delta rule)",
+    "moe_matmul": "MoE grouped matmuls",
     "moe_other": "MoE other (routing, gathers, SwiGLU, combine)", "projection": "dense projections",
     "other": "norms, RoPE, other elementwise", "optimizer": "optimizer", "copy": "copies",
     "communication": "communication", "unattributed": "not in the step's HLO"}
-SCOPES = ("optimizer", "lm_head", "moe", "attention", "projection")  # the first found names the part
+SCOPES = ("optimizer", "lm_head", "moe", "deltanet", "attention", "projection")  # the first found names the part
 COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all",
                "collective-broadcast", "send", "recv"}
 MATMULS = {"dot", "ragged-dot", "convolution"}
 MATMUL_CUSTOM_CALLS = ("gemm", "matmul", "mosaic")  # cuBLAS, cuBLASLt and Mosaic GPU kernels (ours, JAX's)
 COPIES = {"copy", "copy-start", "copy-done"}
 CONTAINERS = {"while", "conditional", "call"}  # XLA:CPU traces them as events holding their body's
-_MATMUL_PARTS = ("lm_head", "moe_other", "moe_matmul", "projection", "attention")
+_MATMUL_PARTS = ("lm_head", "moe_other", "moe_matmul", "projection", "attention", "deltanet")
 PLUMBING = {"parameter", "bitcast", "tuple", "get-tuple-element", "copy"}  # a fusion of only these is a copy
 
 
