@@ -6,6 +6,7 @@ stack as repeats of their pattern; the trainer's FLOPs count the DeltaNet and th
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import jax
@@ -21,7 +22,7 @@ from models.hf import transfer as hf
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
-from train.config import MeshConfig, load_run_config
+from train.config import EvalConfig, MeshConfig, load_run_config
 from train.loop import run
 from train.mesh import build_mesh
 from train.profile.step_parts import full_op_names, parse_hlo, part_of
@@ -213,3 +214,19 @@ def test_the_step_profile_names_the_deltanet_a_part_of_its_own():
     hlo = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, tokens).compile().as_text()
   parts = {part_of(i) for i in parse_hlo(hlo).values()}
   assert {"deltanet", "attention", "moe_matmul", "moe_other", "projection"} <= parts, parts
+
+
+@pytest.mark.slow  # two short trainer runs (~40 s on 2 cores); CI's second step runs it
+def test_remat_policies_accumulation_and_eval_train_qwen35_as_the_plain_step(tmp_path):
+  """A remat policy per layer (all four kinds that differ on CPU), two micro-batches and a held-out evaluation give
+  the plain step's losses (same seed, same batches)."""
+  base = dataclasses.replace(load_run_config("cpu", ["model=qwen3.5-tiny"]), steps=4, log_every=1,
+                             checkpoint_every=0, seq_len=32, tensorboard=False)
+  plain = run(dataclasses.replace(base, out_dir=str(tmp_path / "plain")))
+  varied = run(dataclasses.replace(
+      base, out_dir=str(tmp_path / "varied"), micro_batches=2, eval=EvalConfig(every=2, batches=1),
+      runtime=dataclasses.replace(base.runtime, remat=("layer", "attention", "all_but_attention", "none"))))
+  losses = [r["loss"] for r in varied if "loss" in r]
+  np.testing.assert_allclose(losses, [r["loss"] for r in plain], rtol=1e-5)
+  logged = [json.loads(line) for line in (tmp_path / "varied" / "metrics.jsonl").read_text().splitlines()]
+  assert [np.isfinite(r["eval_loss"]) for r in logged if "eval_loss" in r] == [True, True]
