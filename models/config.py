@@ -1,6 +1,8 @@
-"""Frozen, keyword-only config dataclasses loaded from YAML; unknown keys are rejected by name."""
+"""Frozen, keyword-only config dataclasses loaded from YAML (unknown keys rejected by name), and a Hugging Face
+checkpoint's `config.json` read as a mapping."""
 
 import dataclasses
+import json
 import pathlib
 import types
 import typing
@@ -184,3 +186,15 @@ def _yaml_problem(err):
   mark = getattr(err, "problem_mark", None)
   where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
   return f"{getattr(err, 'problem', None) or str(err).splitlines()[0]}{where}"
+
+
+def read_hf_config(hf_dir):
+  """(parsed config.json, its path), or a UserError naming what is wrong with it."""
+  path = pathlib.Path(hf_dir) / "config.json"
+  try:
+    hf = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise UserError(f"{path} is not valid JSON ({err})") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
+  return hf, path

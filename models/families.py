@@ -2,11 +2,9 @@
 YAML (or a checkpoint's config.json) names its family by `model_type`; Qwen3-MoE when it names none."""
 
 import dataclasses
-import json
-import pathlib
 from types import ModuleType
 
-from models.config import from_mapping, read_yaml
+from models.config import from_mapping, read_hf_config, read_yaml
 from models.qwen3 import config as qwen3_config, hf_config as qwen3_hf, hf_names as qwen3_names, model as qwen3
 from models.qwen35 import config as qwen35_config, hf_config as qwen35_hf, hf_names as qwen35_names, model as qwen35
 from models.runtime import RUNTIME_FIELDS
@@ -49,18 +47,6 @@ def config_from_mapping(data, where):
 def load_config(path_or_name, **overrides):
   """A model config from a YAML file or a name under configs/models/ (e.g. "qwen3-30b-a3b", "qwen3.5-35b-a3b")."""
   return config_from_mapping(dict(read_yaml(path_or_name, "models"), **overrides), f"model config {path_or_name}")
-
-
-def read_hf_config(hf_dir):
-  """(parsed config.json, its path), or a UserError naming what is wrong with it."""
-  path = pathlib.Path(hf_dir) / "config.json"
-  try:
-    hf = json.loads(path.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as err:
-    raise UserError(f"{path} is not valid JSON ({err})") from None
-  if not isinstance(hf, dict):
-    raise UserError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
-  return hf, path
 
 
 def config_from_hf(hf_dir, **overrides):

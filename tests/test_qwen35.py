@@ -18,6 +18,7 @@ from conftest import requires_devices
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from models import families
+from models.config import read_hf_config
 from models.hf import transfer as hf
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
@@ -40,6 +41,8 @@ ROWS = 8  # the fixture's 2 rows repeated, so every one of the 8 devices holds a
 def _eight_devices(request):
   if not request.node.get_closest_marker("gpu"):
     requires_devices(8)
+  elif jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU; run `pytest -m gpu` there")
 
 
 @functools.cache
@@ -109,7 +112,7 @@ def test_unscanned_layers_give_transformers_logits():
 def test_export_reads_back_the_same_model(tmp_path):
   model = _loaded(MULTIMODAL)
   hf.to_hf(model, tmp_path, max_shard_bytes=200_000)
-  config = families.read_hf_config(tmp_path)[0]
+  config = read_hf_config(tmp_path)[0]
   assert config["model_type"] == TEXT and config["layer_types"][3] == FULL
   back = hf.from_hf(tmp_path, mesh=_mesh(), runtime=model.runtime)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):

@@ -1,10 +1,7 @@
 """Hugging Face `config.json` of Qwen3-MoE (`qwen3_moe`) and Qwen2-MoE (`qwen2_moe`) to and from our architecture
 config (`Qwen3MoEConfig`). No arrays: `models.hf.transfer` reads and writes the tensors."""
 
-import json
-import pathlib
-
-from models.config import from_mapping
+from models.config import from_mapping, read_hf_config
 from models.qwen3.config import Qwen3MoEConfig
 from relaymoe_jax.errors import UserError
 
@@ -29,13 +26,7 @@ def config_from_hf(hf_dir, **overrides) -> Qwen3MoEConfig:
     ValueError: an unknown model_type (named), a feature the model does not have (sliding window, RoPE scaling,
       an activation other than SiLU, Qwen3 attention biases, which include o_proj's), or a bad override.
   """
-  path = pathlib.Path(hf_dir) / "config.json"
-  try:
-    hf = json.loads(path.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as err:
-    raise UserError(f"{path} is not valid JSON ({err})") from None
-  if not isinstance(hf, dict):
-    raise UserError(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
+  hf, path = read_hf_config(hf_dir)
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
     raise UserError(f"{path}: model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
