@@ -1,9 +1,15 @@
 """A minimal Flax NNX decoder with `rm.nnx.MoE` as its MLP, trained a few steps on a 2 data × 4 expert mesh.
 
-Run: `python examples/nnx_decoder.py` (8 emulated CPU devices when no GPUs: set
-XLA_FLAGS=--xla_force_host_platform_device_count=8 and NPROC=256, which sizes XLA:CPU's thread pool so
-that programs in flight together cannot deadlock it). Shape letters: see relaymoe_jax.
+Run: `python examples/nnx_decoder.py` (on 8 emulated CPU devices where there is no GPU). Shape letters: see
+relaymoe_jax.
 """
+
+import os
+
+# Before JAX starts. Only the CPU platform reads the device count, so GPUs are used as they are. NPROC sizes XLA:CPU's
+# thread pool: emulated devices share it, and two programs with collectives in flight can otherwise deadlock it.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("NPROC", "256")
 
 import jax
 import jax.numpy as jnp

@@ -170,7 +170,10 @@ def read_yaml(path_or_name, subdir):
     path = CONFIG_DIR / subdir / f"{path_or_name}.yaml"
   if not path.exists():
     known = sorted(p.stem for p in (CONFIG_DIR / subdir).glob("*.yaml"))
-    raise UserError(f"no config {str(path_or_name)!r}; known {subdir} configs: {known}")
+    kind = {"runs": "run", "models": "model"}.get(subdir, subdir)
+    is_model = subdir == "runs" and (CONFIG_DIR / "models" / path.name).exists()
+    hint = " (a model config: use model=NAME)" if is_model else ""
+    raise UserError(f"no {kind} config {str(path_or_name)!r}{hint}; known {kind} configs: {known}")
   if not path.is_file():
     raise UserError(f"config {str(path)!r} is not a file")
   try:

@@ -49,7 +49,7 @@ class RuntimeConfig:
   # GPU). False: a Python loop over layers, each compiled on its own, which lets XLA overlap across layers.
   # Stacking changes the parameters' layout, so a checkpoint restores only under the value it was written with.
   scan_layers: bool = True
-  dtype: str = "bfloat16"  # compute
+  dtype: str = "bfloat16"  # of the compute (float32, bfloat16, float16); parameters keep model.param_dtype
 
   def __post_init__(self):
     object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))

@@ -6,9 +6,11 @@ import json
 import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 from orbax.checkpoint._src.path import atomicity
 
 from models.qwen3 import model as qwen3
@@ -20,7 +22,9 @@ from train.cli import main
 from train.config import MeshConfig, load_run_config
 from train.loop import run
 from train.mesh import build_mesh
-from train.sources import model_config_for
+from train.rundir.checkpoints import Checkpoints
+from train.step import TrainState, make_optimizer
+from train.sources import initial_params, model_config_for
 from test_hf import assert_same_tensors
 
 # A run that changes nothing: learning rate 0, so its checkpoint holds the parameters it started from.
@@ -66,13 +70,15 @@ def test_hf_to_orbax_and_back_is_bit_exact(hf_dir, tmp_path, capsys):
 
 @pytest.mark.slow  # 6-12 s on 2 cores; CI's second step runs it
 @pytest.mark.parametrize("source", ["hf", "orbax"])
-def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir, tmp_path, source):
+def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir, tmp_path, source, capsys):
   if source == "orbax":
     convert.main(["hf-to-orbax", str(hf_dir), str(tmp_path / "orbax"), "mesh.data=2", "mesh.expert=4"])
   origin = hf_dir if source == "hf" else tmp_path / "orbax"
   config = load_run_config("cpu", [*FROZEN, f"init_from={source}:{origin}", f"out_dir={tmp_path / 'run'}"])
   history = run(config)
   assert np.isfinite(history[-1]["loss"])
+  said = str(origin) if source == "hf" else str(origin.absolute())
+  assert f"init_from: starting from the parameters of {said} (the optimizer starts afresh)" in capsys.readouterr().out
   convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "back")])
   assert_same_tensors(hf_dir, tmp_path / "back")
   # A run of before the split: its run_config.json held dispatcher and remat in `run`, the rest in `model`.
@@ -86,6 +92,34 @@ def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir
   assert_same_tensors(hf_dir, tmp_path / "legacy")
   with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 7 in .*; there are \[1\]"):
     convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "other"), "--step", "7", "--debug"])
+
+
+def test_a_training_runs_directory_is_an_init_from_source_for_training_and_eval_only(tmp_path, capsys, monkeypatch):
+  """`init_from=orbax:RUN_DIR`: the newest checkpoint of a relaymoe-train run directory (written here as the loop
+  writes one, without training: random parameters, which the source must give back bit for bit; the slow test above
+  starts from a trained one), said on the console; `--eval-only` of it names the checkpoint it evaluated."""
+  config = load_run_config("cpu", [*FROZEN, f"out_dir={tmp_path / 'run'}", "seed=5"])
+  mesh, model_config = build_mesh(config.mesh), model_config_for(config)
+  seeded = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=5, runtime=config.runtime))[1])
+  optimizer, _ = make_optimizer(config.optim, config.steps)
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "run_config.json").write_text(json.dumps(dict(
+      run=dataclasses.asdict(config), model=dataclasses.asdict(model_config)), default=str))
+  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as checkpoints:
+    for step in (1, 3):  # the newest is taken
+      scaled = jax.tree.map(lambda x, s=step: x * s, seeded)
+      checkpoints.save(step, TrainState(scaled, optimizer.init(scaled), np.int32(step)), {"next_batch": step})
+  capsys.readouterr()
+  params, origin = initial_params(f"orbax:{tmp_path / 'run'}", model_config, config.runtime, mesh)
+  assert jax.tree.structure(params) == jax.tree.structure(seeded)
+  assert all(np.array_equal(a, 3 * b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seeded)))
+  assert origin == f"checkpoint step 3 of {tmp_path / 'run'}"
+  assert model_config_for(load_run_config("cpu", [f"init_from=orbax:{tmp_path / 'run'}", "model.rms_norm_eps=1e-5"])
+                          ).rms_norm_eps == 1e-5
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  main(["--eval-only", *FROZEN, "eval.batches=1", f"init_from=orbax:{tmp_path / 'run'}", "--out",
+        str(tmp_path / "eval")])
+  assert capsys.readouterr().out.startswith(f"eval of checkpoint step 3 of {tmp_path / 'run'}: loss ")
 
 
 def test_init_from_takes_the_model_config_from_the_source_with_overrides(hf_dir):
@@ -105,6 +139,9 @@ def test_bad_sources_are_named(tmp_path, capsys, monkeypatch):
   cases = [
       (main, ["--config", "cpu", "--out", str(tmp_path / "run"), f"init_from=hf:{tmp_path}"],
        f"relaymoe-train: error: init_from='hf:{tmp_path}': no config.json in {tmp_path}"),
+      (main, ["--config", "cpu", "--out", str(tmp_path / "run"), f"init_from=orbax:{tmp_path}"],
+       f"relaymoe-train: error: init_from='orbax:{tmp_path}': {tmp_path} is neither a relaymoe-convert output "
+       "(model.yaml) nor a training run (run_config.json)\n"),
       (convert.main, ["orbax-to-hf", str(tmp_path), str(tmp_path / "out")],
        f"relaymoe-convert: error: {tmp_path} is neither a relaymoe-convert output"),
       (convert.main, ["hf-to-orbax", str(tmp_path), str(tmp_path / "out"), "steps=3"],
@@ -142,7 +179,7 @@ def test_a_full_disk_during_hf_to_orbax_is_one_line(hf_dir, tmp_path, monkeypatc
     raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)  # orbax's last act of a save
-  monkeypatch.setattr(convert, "initial_params", lambda *_: {"embed_VD": np.ones((8, 4), np.float32)})  # fast
+  monkeypatch.setattr(convert, "initial_params", lambda *_: ({"embed_VD": np.ones((8, 4), np.float32)}, ""))  # fast
   with pytest.raises(SystemExit) as exit_info:
     convert.main(["hf-to-orbax", str(hf_dir), str(tmp_path / "orbax")])
   stderr = capfd.readouterr().err

@@ -119,7 +119,8 @@ def test_errors_name_what_to_set(tmp_path):
   with pytest.raises(ValueError, match=r"data.eos_token=5000 is not an id of the tokenizer"):
     make_source(text_config(tmp_path, corpus, eos_token=5000), 128)
   assert make_source(text_config(tmp_path, corpus, eos_token="[SEP]"), 128).tokens[-1] == 1
-  with pytest.raises(ValueError, match=r"token id \d+ is out of range for vocab_size=16 \(the tokenizer .* has \d+ "
+  with pytest.raises(ValueError, match=r"token id \d+ is out of range for model.vocab_size=16 \(the tokenizer .* "
+                                       r"has \d+ "
                                        r"ids: set model.vocab_size ≥ \d+\)"):
     make_source(text_config(tmp_path, corpus, eos_token="[SEP]"), 16)
   with pytest.raises(ValueError, match="data.tokenizer 'nonesuch.json' is not a file"):
@@ -140,10 +141,19 @@ def test_errors_name_what_to_set(tmp_path):
     make_source(text_config(tmp_path, corpus, eos_token="[SEP]", cache_dir=str(tmp_path / "a file" / "cache")), 128)
 
 
-def test_without_a_tokenizer_text_is_still_bytes(tmp_path):
+def test_without_a_tokenizer_text_is_still_bytes(tmp_path, capsys):
   (tmp_path / "t.txt").write_text("héllo", encoding="utf-8")
   assert make_source(DataConfig(kind="text", path=str(tmp_path / "t.txt")), 256).tokens.tolist() == \
       list("héllo".encode("utf-8"))
+  assert capsys.readouterr().out == ""
+  with pytest.raises(ValueError, match=r"^data.kind=text without data.tokenizer reads bytes and needs "
+                                       r"model.vocab_size ≥ 256; the model has 128$"):
+    make_source(DataConfig(kind="text", path=str(tmp_path / "t.txt")), 128)
+  (tmp_path / "t.jsonl").write_text('{"text": "héllo"}\n', encoding="utf-8")  # trained on, but not silently
+  assert make_source(DataConfig(kind="text", path=str(tmp_path / "t.jsonl")), 256).tokens.size == 19
+  assert capsys.readouterr().out == (f"warning: data.path '{tmp_path / 't.jsonl'}' is read as bytes, its JSON "
+                                     "syntax included, since no data.tokenizer is given (with one, each line's "
+                                     "'text' field is a document)\n")
 
 
 @pytest.mark.slow  # an end-to-end run; CI's second step runs it

@@ -106,7 +106,8 @@ def test_eval_only_prints_its_line_and_writes_eval_json(tmp_path, capsys):
   """`relaymoe-train --eval-only` (`evaluate_only`) of a Hugging Face checkpoint: the returned values, eval.json and
   the printed line agree, over the synthetic language's held-out batches (every target counted)."""
   requires_devices(8)
-  config = RunConfig(init_from=f"hf:{pathlib.Path(__file__).parent / 'fixtures/hf/qwen3_moe'}", runtime=F32,
+  hf_dir = pathlib.Path(__file__).parent / "fixtures/hf/qwen3_moe"
+  config = RunConfig(init_from=f"hf:{hf_dir}", runtime=F32,
                      mesh=MeshConfig(data=2, expert=4), batch_size=B, seq_len=16, out_dir=str(tmp_path / "out"),
                      eval=EvalConfig(batches=2), tensorboard=False)
   values = evaluate_only(resolve_run(config))
@@ -114,8 +115,8 @@ def test_eval_only_prints_its_line_and_writes_eval_json(tmp_path, capsys):
   assert written == dict(init_from=config.init_from, **values)
   assert values["eval_tokens"] == 2 * B * 16 and 0 < values["eval_loss"] < 2 * math.log(96)
   assert abs(values["eval_ppl"] - math.exp(values["eval_loss"])) <= 1e-9 * values["eval_ppl"]
-  line = (f"eval: loss {values['eval_loss']:.4f} perplexity {values['eval_ppl']:.2f} over {2 * B * 16} tokens of 2 "
-          f"batches ({values['eval_s']:.1f} s)")
+  line = (f"eval of {hf_dir}: loss {values['eval_loss']:.4f} perplexity {values['eval_ppl']:.2f} over {2 * B * 16} "
+          f"tokens of 2 batches ({values['eval_s']:.1f} s)")
   assert line in capsys.readouterr().out.splitlines()
 
 

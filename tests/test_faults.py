@@ -27,7 +27,7 @@ from test_train import REPO, tiny_run
 from train import convert, xla_cache
 from train.rundir.checkpoints import Checkpoints, CheckpointSaveFailed
 from train.cli import main
-from train.compile import abstract_train_state
+from train.step import abstract_train_state
 from train.config import load_run_config
 from train.errors import exit_status
 from train.loop import dispatch_plan, run

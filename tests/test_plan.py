@@ -647,3 +647,18 @@ def test_maximize_under_context_parallelism_spreads_one_sequence_over_expert(uni
   assert plan["batch_size"] == BASE.mesh.data and plan["seq_len"] % (2 * BASE.mesh.expert) == 0
   without = planner_with(budget).maximize("seq_len", 16, upgrade=False)[0]
   assert plan["fits"] and plan["seq_len"] > without.seq_len
+
+
+def test_the_plan_table_reads_at_any_size_and_says_what_to_try_where_nothing_fits():
+  """`relaymoe-plan`'s table: bytes in the unit that reads (a CPU run's MiB read 0.00 in a GiB column), and below
+  it, per variant that fits nothing, the option that searches further (`--granule` for --maximize seq)."""
+  small = Plan(remat=("none",) * 2, batch_size=8, seq_len=64, state_bytes=3 << 20, temp_bytes=5 << 10,
+               total_bytes=(3 << 20) + (5 << 10), budget_bytes=80 << 30, fits=True)
+  results = dict(ring=dict(dispatcher="ring_expert", plan=small, not_fitting=None),
+                 a2a_dropless=dict(dispatcher="all_to_all", plan=None, not_fitting=1024))
+  lines = plan_search.render(results, "seq").splitlines()
+  assert lines[2] == "| ring | ring_expert | 8 | 64 | 2 × none | 3.0 MiB | 5.0 KiB | 3.0 MiB | 80.00 GiB | yes | — |"
+  assert lines[-1].startswith("a2a_dropless: not even seq_len=1024 fits; --granule N searches in steps of N")
+  over = dict(ring=dict(dispatcher="ring_expert", plan=dataclasses.replace(small, fits=False), not_fitting=None))
+  assert plan_search.render(over).splitlines()[-1].startswith("ring: the run's shape does not fit under any remat "
+                                                              "plan; lower batch_size (or raise micro_batches)")

@@ -26,7 +26,7 @@ from train.data.batches import DataChanged, SyntheticLanguage, data_change, data
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.rundir.checkpoints import Checkpoints
-from train.compile import abstract_train_state, memory_plan
+from train.compile import memory_plan
 from train.loop import run
 from train.mesh import build_mesh, global_batch, on_mesh
 from train.sources import model_config_for
@@ -36,7 +36,7 @@ from train import run as train_run
 from train.data import batches as train_data
 from train.cli import _parse, _start
 from train.errors import exit_status
-from train.step import BAD_IDS, TrainState, make_optimizer, make_train_step
+from train.step import BAD_IDS, TrainState, abstract_train_state, make_optimizer, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = RuntimeConfig(dtype="float32")  # the tiny model computes in float32 in these tests, as `--config cpu` does
@@ -248,8 +248,10 @@ def test_bad_run_configs_are_named(tmp_path):
     load_run_config("cpu", ["batch_size=0"])
   with pytest.raises(ValueError, match="data.kind='parquet'"):
     load_run_config("cpu", ["data.kind=parquet"])
-  with pytest.raises(ValueError, match="no config 'nonesuch'"):
+  with pytest.raises(ValueError, match="no run config 'nonesuch'; known run configs: \\['cpu'"):
     load_run_config("nonesuch")
+  with pytest.raises(ValueError, match=r"no run config 'tiny' \(a model config: use model=NAME\)"):
+    load_run_config("tiny")
   with pytest.raises(ValueError, match="hidden_sise"):
     model_config_for(load_run_config("cpu", ["model.hidden_sise=8"]))
   with pytest.raises(ValueError, match="needs 6 devices"):

@@ -97,8 +97,13 @@ def test_yaml_values_are_checked_too(tmp_path):
 
 def test_a_batch_that_does_not_split_over_the_token_shards_is_named(tmp_path):
   with pytest.raises(ValueError, match=r"batch_size=6 does not split over the mesh's 8 shards of rows \(data=2 × "
-                                       r"expert=4\); use a multiple of 8"):
+                                       r"expert=4\): use a multiple of 8"):
     run_mesh(tiny_run(tmp_path, batch_size=6))
+  with pytest.raises(ValueError, match=r"^micro_batches=4: a micro-batch of 4 sequences \(batch_size=16 / "
+                                       r"micro_batches\) does not split over the mesh's 8 shards of rows \(data=2 × "
+                                       r"expert=4\); micro_batches may be 1, 2 with this batch_size, or batch_size a "
+                                       r"multiple of 32$"):
+    run_mesh(tiny_run(tmp_path, batch_size=16, micro_batches=4))
 
 
 @pytest.mark.slow  # trains a step of its own (compiles ~10-30 s on 2 cores); CI's second step runs it
@@ -314,6 +319,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
   common = ["--config", "cpu", "compilation_cache_dir=''", "batch_size=8", "seq_len=16"]
   cases = [(["steps=abc"], 2, "error: override: steps='abc' is not an int"),
            (["batch_size=6"], 2, "error: batch_size=6 does not split"),
+           (["micro_batches=4", "--out", str(tmp_path / "micro")], 2, "error: micro_batches=4: a micro-batch of 2 "
+            "sequences (batch_size=8 / micro_batches) does not split over the mesh's 8 shards of rows (data=2 × "
+            "expert=4); micro_batches may be 1 with this batch_size, or batch_size a multiple of 32"),
            (["runtime.context_parallel=true", "seq_len=20"], 2, "error: context parallelism over expert=4 cuts each "
             "sequence into 8 chunks: seq_len=20 is not a multiple of 8"),
            (["runtime.context_parallel=true", "batch_size=3"], 2, "error: batch_size=3 does not split over the "
@@ -323,9 +331,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
   for argv, status, message in cases:
     with pytest.raises(SystemExit) as exit_info:
       main(common + argv)
-    stderr = capsys.readouterr().err
+    stdout, stderr = capsys.readouterr()
     assert exit_info.value.code == status, (argv, stderr)
     assert stderr.startswith(f"relaymoe-train: {message}") and stderr.count("\n") == 1, (argv, stderr)
+    assert "compiling" not in stdout, (argv, stdout)  # refused before anything compiles
   try:  # a ValueError from below the project (a bug, not a bad input) keeps its traceback
     np.ones(3).reshape(2)
   except ValueError as err:

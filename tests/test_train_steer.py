@@ -12,7 +12,7 @@ from tensorboardX.proto import event_pb2
 
 from test_train import tiny_run, _eight_devices  # noqa: F401  (the trainer's fixtures)
 from train.rundir.checkpoints import Checkpoints
-from train.compile import abstract_train_state
+from train.step import abstract_train_state
 from train.loop import run
 from train.mesh import build_mesh
 from train.sources import model_config_for

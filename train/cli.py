@@ -2,7 +2,7 @@
 `relaymoe-plan`: what fits on the devices (the activation planner, `train.plan.planner`).
 
     relaymoe-train [--config FILE] [--steps N] [--out DIR] [--resume | --overwrite] [--compile-only]
-                   [--profile START:COUNT] [--eval-only] [key=value ...]
+                   [--profile START:COUNT] [--eval-only] [--print-config] [key=value ...]
     relaymoe-plan [--config FILE] [--maximize seq|batch] [--variants ring,a2a_dropless,a2a_cf1] [key=value ...]
 
 With no arguments: `configs/runs/gpu.yaml` on GPUs (all of them), otherwise `configs/runs/cpu.yaml`, a tiny model
@@ -18,18 +18,22 @@ without saving).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import sys
 
 import jax
+import yaml
 
 from relaymoe_jax.errors import UserError
 from train.plan import search as plan_search
 from train.compile import memory_plan
 from train.run import resolve_run
-from train.config import load_run_config
+from train.sources import model_config_for
+from models.config_reference import reference, render
+from train.config import RunConfig, load_run_config
 from train.errors import run_cli
 from train.evaluate import evaluate_only
 from train.loop import run
@@ -37,11 +41,25 @@ from train.profile.window import parse_window
 from train.xla_cache import use_compilation_cache
 
 
+def _keys_help():
+  return ("run config keys (key=value, or in the YAML; the shipped configs in configs/runs/ set some), with their "
+          "defaults:\n" + render(reference(RunConfig)) + "\n  model.KEY = (the model config's)\n      any "
+          "architecture key (Hugging Face names: model.num_hidden_layers=4); --print-config shows them all\n\n"
+          "docs/training.md has every option; docs/errors.md the exit statuses.")
+
+
 def _parse(argv):
-  parser = argparse.ArgumentParser(prog="relaymoe-train", description=__doc__.splitlines()[0])
-  parser.add_argument("--config", help="run config: a YAML path or a name under configs/runs/")
-  parser.add_argument("--steps", type=int)
-  parser.add_argument("--out", help="output directory (metrics.jsonl, checkpoints/, tensorboard/)")
+  parser = argparse.ArgumentParser(
+      prog="relaymoe-train", formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="Train a Qwen3-MoE, Qwen2-MoE or Qwen3.5-MoE model with the RelayMoE ring (or any dispatcher)\n"
+      "from a run config and key=value overrides.", epilog=_keys_help())
+  parser.add_argument("--config", help="run config: a YAML path or a name under configs/runs/ (default: gpu on "
+                      "GPUs, else cpu)")
+  parser.add_argument("--steps", type=int, help="as steps=N")
+  parser.add_argument("--out", help="the run directory, as out_dir=DIR (default: the run config's out_dir, "
+                      "runs/<config name> under the current directory for the shipped configs)")
+  parser.add_argument("--print-config", action="store_true",
+                      help="print the run config and the model config with every value, as resolved; train nothing")
   start = parser.add_mutually_exclusive_group()
   start.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
   start.add_argument("--overwrite", action="store_true",
@@ -121,6 +139,9 @@ def _main(args):
     overrides.append(f"steps={args.steps}")
   config = _start(args, overrides)
 
+  if args.print_config:
+    print(_as_yaml(config, model_config_for(config)), end="")
+    return
   if args.compile_only:
     resolved = resolve_run(config)
     _report_plan(memory_plan(config, resolved.compile()), config.out_dir, jax.process_index() == 0)
@@ -128,11 +149,18 @@ def _main(args):
   if args.eval_only:
     evaluate_only(resolve_run(config))
     return
-  history = run(config, resume=args.resume, overwrite=args.overwrite, profile=profile)
-  if jax.process_index() == 0 and history:
-    last = history[-1]
-    print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s); "
-          f"metrics in {config.out_dir}/metrics.jsonl")
+  run(config, resume=args.resume, overwrite=args.overwrite, profile=profile)
+
+
+def _as_yaml(run_config, model_config):
+  """The run config, every value as resolved and the whole architecture as `model_overrides`: a run config file
+  that trains the same run (`--config FILE`)."""
+  run = dataclasses.asdict(run_config)
+  run["runtime"]["dispatcher_options"] = dict(run_config.runtime.dispatcher_options)
+  run["model_overrides"] = {k: list(v) if isinstance(v, tuple) else v
+                            for k, v in dataclasses.asdict(model_config).items()}
+  return ("# relaymoe-train --print-config: every key as resolved, model_overrides the whole architecture\n"
+          + yaml.safe_dump(run, sort_keys=False))
 
 
 def _report_plan(plan, out_dir, write):
@@ -200,7 +228,7 @@ def _plan(args):
                                log=(lambda *_: None) if quiet else print, upgrade=not args.no_upgrade)
   if quiet:
     return
-  table = plan_search.render(results)
+  table = plan_search.render(results, args.maximize)
   print(table)
   path.write_text(json.dumps(dict(
       config=args.config, overrides=args.overrides, maximize=args.maximize, topology=args.topology,

@@ -22,7 +22,7 @@ from train.data.batches import batch_keys
 from train.mesh import check_batch_split, run_mesh
 from train.metrics import log_on_process_0, size
 from train.sources import model_config_for
-from train.step import TrainState, make_optimizer, make_train_step
+from train.step import TrainState, abstract_train_state, make_optimizer, make_train_step
 
 # Locations name an operation's own line, not the stack of the trace that made it: JAX reuses traces it cached, so
 # that stack can be another remat policy's compiled before in the process (the planner's). Mosaic GPU kernels embed
@@ -37,23 +37,6 @@ def jit_train_step(graphdef, optimizer, schedule, model_config, state_shardings,
                          state_shardings.params)
   return jax.jit(step, donate_argnums=0,
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), compiler_options=rm.COMPILER_OPTIONS)
-
-
-def abstract_train_state(model_config, runtime, mesh, optimizer, seed=0):
-  """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
-  allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
-  graphdef, state = families.abstract(model_config, mesh, seed, runtime=runtime)
-  params = nnx.to_pure_dict(state)
-  param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
-  replicated = NamedSharding(mesh, P())
-
-  def like_its_parameter(path, leaf):
-    key = jax.tree_util.keystr(path)
-    owner = max((p for p in param_shardings if key.endswith(p)), key=len, default=None)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_shardings[owner] if owner else replicated)
-
-  opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, jax.eval_shape(optimizer.init, params))
-  return graphdef, TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
 
 
 class CompiledStep(NamedTuple):

@@ -11,9 +11,9 @@ from relaymoe_jax.errors import UserError
 class MeshConfig:
   """Device counts per mesh axis; one axis may be -1 (all the devices left)."""
 
-  data: int = 1
-  expert: int = -1
-  tensor: int = 1
+  data: int = 1  # devices over which batch rows are split
+  expert: int = -1  # devices over which experts are split: the MoE ring (and the sequence, with context_parallel)
+  tensor: int = 1  # devices over which expert F is split with runtime.moe_tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,11 +21,11 @@ class DataConfig:
   """kind: synthetic (built-in language with a known entropy floor), tokens (pre-tokenised .bin), text (bytes, or
   tokens of `tokenizer`: `train.data.text`)."""
 
-  kind: str = "synthetic"
-  path: str = ""
+  kind: str = "synthetic"  # synthetic, tokens (a pre-tokenised .bin) or text (a UTF-8 file, .jsonl or plain)
+  path: str = ""  # the data file (tokens, text)
   token_dtype: str = "uint16"  # tokens: uint16 or uint32
   branching: int = 4  # synthetic: successors per token; the loss floor is ln(branching)
-  seed: int = 0
+  seed: int = 0  # synthetic: the language drawn
   tokenizer: str = ""  # text: a Hugging Face tokenizer.json; "" = bytes
   text_field: str = "text"  # text with a tokenizer, .jsonl input: the field holding each document
   separator: str = ""  # text with a tokenizer, plain-text input: a line equal to this ends a document; "" = blank
@@ -74,10 +74,10 @@ class EvalConfig:
   last (0: never). From `path` (a file of data.path's kind), else the last `fraction` of the training data split
   off at a document boundary (the training run never sees it), else, for the synthetic language, fresh samples."""
 
-  path: str = ""
-  fraction: float = 0.0
-  every: int = 0
-  batches: int = 4
+  path: str = ""  # a held-out file of data.kind's kind
+  fraction: float = 0.0  # else: this last fraction of the training data, split off at a document end
+  every: int = 0  # steps between held-out losses (and after the last step); 0: never
+  batches: int = 4  # held-out batches of the run's shape, the same ones each time
 
   def __post_init__(self):
     if not 0 <= self.fraction < 1:
@@ -92,14 +92,14 @@ class EvalConfig:
 class OptimConfig:
   """AdamW with linear warmup and cosine decay to min_lr_ratio · learning_rate; gradient clipping by global norm."""
 
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  min_lr_ratio: float = 0.1
-  weight_decay: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  grad_clip: float = 1.0
+  learning_rate: float = 3e-3  # the peak, reached after warmup_steps
+  warmup_steps: int = 20  # linear from 0
+  min_lr_ratio: float = 0.1  # the cosine decay ends at this fraction of learning_rate at the last step
+  weight_decay: float = 0.1  # AdamW's, decoupled
+  b1: float = 0.9  # Adam's first-moment decay
+  b2: float = 0.95  # Adam's second-moment decay
+  eps: float = 1e-8  # Adam's epsilon
+  grad_clip: float = 1.0  # the global gradient norm is clipped to this
 
   def __post_init__(self):
     checks = dict(learning_rate=(self.learning_rate >= 0, "≥ 0"), warmup_steps=(self.warmup_steps >= 0, "≥ 0"),
@@ -118,10 +118,11 @@ INIT_SOURCES = ("hf:", "orbax:")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   model: str = "tiny"  # a name under configs/models/ or a YAML path
-  model_overrides: dict = dataclasses.field(default_factory=dict)  # any model-config key
+  # Architecture keys on top of the model's (`model.KEY=VALUE` on the command line; --print-config lists them).
+  model_overrides: dict = dataclasses.field(default_factory=dict)
   # Start from released or converted weights instead of a random init: "hf:DIR" (a Hugging Face directory) or
-  # "orbax:DIR" (`relaymoe-convert hf-to-orbax`'s output). The model config then comes from DIR (`model` is not
-  # read), with model_overrides on top. "": random init.
+  # "orbax:DIR" (`relaymoe-convert hf-to-orbax`'s output, or a training run's directory: its newest checkpoint). The
+  # model config then comes from DIR (`model` is not read), with model_overrides on top. "": random init.
   init_from: str = ""
   # How the model runs: dispatcher and its options, remat (per layer, or "auto": the cheapest plan that fits the
   # device, chosen at start by `train.plan.planner` and stored in run_config.json), compute dtype, sharding choices.
@@ -138,14 +139,16 @@ class RunConfig:
   # Gradient accumulation: the step runs batch_size / micro_batches sequences at a time, in one compiled loop, and
   # updates once with the whole batch's loss and gradients (`train.accumulate`).
   micro_batches: int = 1
-  seq_len: int = 64
-  steps: int = 300
-  seed: int = 0
-  log_every: int = 10
+  seq_len: int = 64  # tokens per sequence
+  steps: int = 300  # optimizer steps in all (a resumed run continues up to it)
+  seed: int = 0  # of the random initialisation
+  log_every: int = 10  # steps between lines of metrics.jsonl and TensorBoard
   checkpoint_every: int = 100  # and after the last step; 0: never (measurement runs)
-  keep_checkpoints: int = 2
+  keep_checkpoints: int = 2  # the newest checkpoints kept; older ones are deleted
+  # The run directory (--out), relative to the current directory: run_config.json, metrics.jsonl, checkpoints/,
+  # tensorboard/; the shipped run configs set runs/<config name>.
   out_dir: str = "runs/default"
-  tensorboard: bool = True
+  tensorboard: bool = True  # also write the metrics as TensorBoard events under OUT/tensorboard/
   peak_tflops_per_device: float = 0.0  # for MFU; 0 = from the device kind where known
   # JAX's persistent compilation cache (set by `relaymoe-train`): a rerun or resume of the same step loads it
   # instead of compiling again. "" = off.

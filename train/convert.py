@@ -16,22 +16,18 @@ import argparse
 import os
 import pathlib
 import sys
-from typing import NamedTuple
 
 import jax
 
 from models.config import override, parse_assignment
 from models.hf.transfer import check_export_target, to_hf
-from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import MissingInput, UserError
-from train.rundir.checkpoints import Checkpoints, save_params
-from train.compile import abstract_train_state
-from train.config import MeshConfig, RunConfig
+from train.rundir.checkpoints import save_params
+from train.config import MeshConfig
 from train.errors import run_cli
 from train.mesh import build_mesh
 from train.sources import (CONVERTED_RUNTIME, MODEL_YAML, PARAMS, initial_params, model_from_params,
-                           read_model_yaml, restore_params, source_config, stored_run, write_model_yaml)
-from train.step import make_optimizer
+                           orbax_source, source_config, write_model_yaml)
 
 
 def hf_to_orbax(hf_dir, out_dir, config, mesh):
@@ -40,7 +36,7 @@ def hf_to_orbax(hf_dir, out_dir, config, mesh):
   out_dir = pathlib.Path(out_dir).absolute()
   if (out_dir / PARAMS).exists():
     raise UserError(f"{out_dir / PARAMS} exists; choose an empty OUT_DIR")
-  params = initial_params(f"hf:{hf_dir}", config, CONVERTED_RUNTIME, mesh)
+  params, _ = initial_params(f"hf:{hf_dir}", config, CONVERTED_RUNTIME, mesh)
   out_dir.mkdir(parents=True, exist_ok=True)
   save_params(out_dir / PARAMS, params)
   if jax.process_index() == 0:
@@ -53,45 +49,11 @@ def _check_hf_dir(hf_dir):
     raise MissingInput(f"{hf_dir} has no config.json: it is not a Hugging Face model directory")
 
 
-class OrbaxSource(NamedTuple):
-  """`orbax-to-hf`'s source, read once: its architecture, the runtime its parameters are laid out with, and where
-  they are (`hf-to-orbax`'s output, or a training run and the run config it stored)."""
-
-  path: pathlib.Path
-  config: object
-  runtime: RuntimeConfig
-  run: RunConfig | None  # a training run's
-
-  def params(self, mesh, step=None):
-    """The parameters on `mesh`: the converter's, or the run's newest checkpoint that reads (or `step`)."""
-    if self.run is None:
-      if step is not None:
-        raise UserError(f"--step: {self.path} holds one set of parameters, not a run's checkpoints")
-      return restore_params(self.path / PARAMS, self.config, self.runtime, mesh, self.runtime)
-    optimizer, _ = make_optimizer(self.run.optim, self.run.steps)
-    _, abstract = abstract_train_state(self.config, self.runtime, mesh, optimizer)
-    with Checkpoints(self.path / "checkpoints", self.run.keep_checkpoints) as checkpoints:
-      state, _ = checkpoints.restore(abstract, step=step)
-    return state.params
-
-
-def orbax_source(source):
-  """The OrbaxSource at `source`, its model config read once."""
-  source = pathlib.Path(source).absolute()
-  if (source / MODEL_YAML).exists():
-    return OrbaxSource(source, *read_model_yaml(source / MODEL_YAML), None)
-  if (source / "run_config.json").exists():
-    run, config = stored_run(source)
-    return OrbaxSource(source, config, run.runtime, run)
-  raise MissingInput(f"{source} is neither a relaymoe-convert output ({MODEL_YAML}) nor a training run "
-                     "(run_config.json)")
-
-
 def orbax_to_hf(source, hf_dir, mesh, step=None, dtype=None, overwrite=False):
   """A Hugging Face directory from an OrbaxSource (`hf-to-orbax`'s output or a training run's checkpoint); an
   earlier export in `hf_dir` is refused before any parameter is read, or with `overwrite` replaced."""
   check_export_target(hf_dir, overwrite)
-  params = source.params(mesh, step)
+  params, _ = source.params(mesh, step)
   to_hf(model_from_params(source.config, source.runtime, mesh, params), hf_dir, dtype=dtype, overwrite=overwrite)
   return source.config
 

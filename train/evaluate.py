@@ -58,19 +58,20 @@ def evaluate_only(run):
   OUT/eval.json; returns its dict. `run`: the run resolved (`train.run.resolve_run`: its model config and mesh)."""
   run_config, model_config, mesh = run.run_config, run.model_config, run.mesh
   if not run_config.init_from:
-    raise UserError("--eval-only evaluates the weights of init_from=hf:DIR or init_from=orbax:DIR; none given")
+    raise UserError("--eval-only evaluates the weights of init_from=hf:DIR or init_from=orbax:DIR (a relaymoe-convert "
+                    "output or a relaymoe-train run directory); none given")
   run_config = dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, remat="none"))
   _, source = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len,
                            held_out=True)
   check_batch_split(run_config, mesh)
-  params = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)
+  params, origin = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)
   graphdef = families.abstract(model_config, mesh, runtime=run_config.runtime)[0]
   values = Evaluator(run_config, source, graphdef, params, mesh)(params)
   if jax.process_index() == 0:
     out = pathlib.Path(run_config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(dict(init_from=run_config.init_from, **values)))
-  log_on_process_0(f"eval: loss {values['eval_loss']:.4f} perplexity {values['eval_ppl']:.2f} over "
+  log_on_process_0(f"eval of {origin}: loss {values['eval_loss']:.4f} perplexity {values['eval_ppl']:.2f} over "
                    f"{values['eval_tokens']} tokens of {run_config.eval.batches} batches "
                    f"({values['eval_s']:.1f} s)")
   return values

@@ -14,6 +14,7 @@ from flax import nnx
 import relaymoe_jax as rm
 from models import families
 from relaymoe_jax.axes import EXPERT, TENSOR
+from relaymoe_jax.ring.volume import EXPERT_MODE, TOKEN_MODE
 from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
 from train.config import RunConfig
@@ -57,13 +58,39 @@ def run(run_config: RunConfig, *, resume=False, overwrite=False, profile=None):
   out = pathlib.Path(run_config.out_dir)
   with RunDirectory(out, resume=resume, overwrite=overwrite), StopRequest() as stop, full_op_names(bool(profile)):
     with Checkpoints(out / "checkpoints", run_config.keep_checkpoints) as checkpoints:
-      history = _train(run_config, resume, checkpoints, stop, profile)
+      history, last_eval = _train(run_config, resume, checkpoints, stop, profile)
       stop.note = "letting the last checkpoint's save finish (the run is complete)"
     if stop.signum:
       saved = checkpoints.last_saved
       log_on_process_0(f"got {NAMES[stop.signum]} after the last step: the run is complete" + (
           f", its last checkpoint (step {saved}) saved" if saved is not None else ""))
+  if history:
+    log_on_process_0(_closing_line(history[-1], last_eval, out))
   return history
+
+
+def _closing_line(last, last_eval, out):
+  """What the run ended at, in the numbers of its saved checkpoint's name (steps done)."""
+  held_out = f"; held-out loss {last_eval['eval_loss']:.4f}" if last_eval else ""
+  return (f"done: {last['step'] + 1} steps, loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s)"
+          f"{held_out}; metrics in {out / 'metrics.jsonl'}")
+
+
+def dispatcher_line(dispatcher, plan):
+  """The MoE dispatcher the run uses and, for a ring, what each ring would send per hop: a person can then choose
+  the other with `runtime.dispatcher=` (`auto` takes the one that sends less)."""
+  if plan is None or dispatcher not in (EXPERT_MODE, TOKEN_MODE, "auto"):
+    return f"MoE dispatcher: {dispatcher}"
+  mib = {mode: f"{volume.bytes_per_hop / 2**20:.2f} MiB"
+         for mode, volume in ((EXPERT_MODE, plan.expert_routing), (TOKEN_MODE, plan.token_routing))}
+  other = TOKEN_MODE if plan.mode == EXPERT_MODE else EXPERT_MODE
+  if dispatcher == "auto":
+    return (f"MoE dispatcher: auto runs {plan.mode}, which sends {mib[plan.mode]} per hop (forward + backward) "
+            f"against {mib[other]} for {other}")
+  line = f"MoE dispatcher: {dispatcher}, sending {mib[dispatcher]} per hop (forward + backward)"
+  if dispatcher != plan.mode:
+    line += f"; {plan.mode} would send {mib[plan.mode]} (runtime.dispatcher={plan.mode} or auto)"
+  return line
 
 
 def _last_good(checkpoints):
@@ -85,6 +112,14 @@ def _say_if_data_changed(run_config_path, stamp):
     print(change, flush=True)
 
 
+def _say_how_documents_are_read(data, source):
+  """One line where the data has documents: whether they are masked, and the id that ends each."""
+  if not data.has_documents():
+    return
+  how = "masked: none attends to another" if data.masks_documents() else "not masked (data.document_masking=false)"
+  log_on_process_0(f"documents: {how}; each ends at token id {source.eos}")
+
+
 def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
     raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
@@ -100,8 +135,10 @@ def _train(run_config, resume, checkpoints, stop, profile):
   run_config, remat_plan, step, mesh = resolved.run_config, resolved.remat_plan, resolved.step, resolved.mesh
   compiled, compile_s = step.compiled, step.compile_s
   runtime = run_config.runtime
+  _say_how_documents_are_read(run_config.data, source)
   if run_config.init_from and not resume:
-    params = initial_params(run_config.init_from, model_config, runtime, mesh)
+    params, origin = initial_params(run_config.init_from, model_config, runtime, mesh)
+    log_on_process_0(f"init_from: starting from the parameters of {origin} (the optimizer starts afresh)")
   else:  # a resumed run's parameters come from its checkpoint
     params = nnx.to_pure_dict(nnx.split(families.create_sharded(model_config, mesh, seed=run_config.seed,
                                                                 runtime=runtime))[1])
@@ -127,13 +164,12 @@ def _train(run_config, resume, checkpoints, stop, profile):
         entropy_floor=source.entropy_floor, dispatch_plan=plan and plan.as_dict(),
         remat_plan=remat_plan and remat_plan.as_dict(), data_file=stamp), indent=1, default=str))
     print(f"compiled in {compile_s:.1f} s: {size(memory['total_bytes'])} per device", flush=True)
-    if plan:  # a ring of one moves nothing: no plan
-      print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
+    print(dispatcher_line(runtime.dispatcher, plan), flush=True)
   moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
   evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh)
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
-  history = []
+  history, last_eval = [], None
   pending = None  # (step, metrics of that step) still on device: read one step late
   window_start, window_steps = time.perf_counter(), 0
 
@@ -186,7 +222,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
       if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
       if evaluator and ((step + 1) % run_config.eval.every == 0 or step + 1 == run_config.steps):
-        values = evaluator(state.params)
+        values = last_eval = evaluator(state.params)
         window_start += values["eval_s"]  # neither the throughput nor the step time counts it
         log.write(dict(step=step, **values))
       if signum == FAILED:
@@ -202,4 +238,4 @@ def _train(run_config, resume, checkpoints, stop, profile):
       raise LogWriteFailed(f"{log.failure}; the run finished; its last checkpoint is in {checkpoints.directory}")
   finally:
     log.close()
-  return history
+  return history, last_eval

@@ -44,11 +44,15 @@ def check_batch_split(run_config, mesh):
   runtime = run_config.runtime
   shards = batch_shards(mesh, runtime)
   if run_config.micro_batch_size % shards:
-    what = (f"batch_size={run_config.batch_size}" if run_config.micro_batches == 1 else
-            f"the micro-batch (batch_size={run_config.batch_size} / micro_batches={run_config.micro_batches})")
-    raise UserError(f"{what} does not split over the mesh's {shards} shards of rows "
-                    f"({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))}); use a multiple of "
-                    f"{shards}")
+    over = f"the mesh's {shards} shards of rows ({' × '.join(f'{a}={mesh.shape[a]}' for a in batch_axes(runtime))})"
+    if run_config.micro_batches == 1:
+      raise UserError(f"batch_size={run_config.batch_size} does not split over {over}: use a multiple of {shards}")
+    fitting = [m for m in range(1, run_config.batch_size + 1)
+               if run_config.batch_size % m == 0 and (run_config.batch_size // m) % shards == 0]
+    raise UserError(f"micro_batches={run_config.micro_batches}: a micro-batch of {run_config.micro_batch_size} "
+                    f"sequences (batch_size={run_config.batch_size} / micro_batches) does not split over {over}; "
+                    f"micro_batches may be {', '.join(map(str, fitting)) or 'none'} with this batch_size, or "
+                    f"batch_size a multiple of {shards * run_config.micro_batches}")
   if splits_sequences(runtime, mesh):
     check_sequence(run_config.seq_len, mesh.shape[EXPERT])
   return mesh

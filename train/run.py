@@ -10,7 +10,7 @@ import jax
 
 from train.compile import CompiledStep, check_fits, compile_step
 from train.config import RunConfig
-from train.mesh import build_mesh
+from train.mesh import build_mesh, check_batch_split
 from train.metrics import log_on_process_0
 from train.plan.loss_chunk import resolve_loss_chunk
 from train.plan.record import Plan
@@ -49,6 +49,7 @@ def resolve_run(run_config: RunConfig, devices=None) -> Run:
 def resolve_step(run: Run, resume=False) -> Run:
   """`run` with its runtime resolved (`remat: auto`'s plan, `loss_chunk_tokens: auto`'s chunk: `train.plan`) and its
   train step compiled. `resume`: keep the plan the run's checkpoints were written with."""
+  check_batch_split(run.run_config, run.mesh)  # before the planner compiles anything
   run_config, remat_plan, step = resolve_remat(run.run_config, run.model_config, run.mesh, resume)
   run_config, step = resolve_loss_chunk(run_config, step, model_config=run.model_config, mesh=run.mesh)
   run = dataclasses.replace(run, run_config=run_config, remat_plan=remat_plan, step=step)

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
+from models import families
 from models.qwen3 import model as qwen3
 from models.router_state import update_router_biases
 from train.accumulate import accumulated_value_and_grad
@@ -18,6 +20,23 @@ class TrainState(NamedTuple):
   params: dict  # pure dict of arrays (nnx.to_pure_dict of the model's Params)
   opt_state: optax.OptState
   step: jax.Array
+
+
+def abstract_train_state(model_config, runtime, mesh, optimizer, seed=0):
+  """(graphdef, the TrainState as ShapeDtypeStructs with the shardings `run` gives the real one): nothing is
+  allocated. Optimizer moments take their parameter's sharding (as the eager init does), counters replicate."""
+  graphdef, state = families.abstract(model_config, mesh, seed, runtime=runtime)
+  params = nnx.to_pure_dict(state)
+  param_shardings = {jax.tree_util.keystr(path): p.sharding for path, p in jax.tree_util.tree_leaves_with_path(params)}
+  replicated = NamedSharding(mesh, P())
+
+  def like_its_parameter(path, leaf):
+    key = jax.tree_util.keystr(path)
+    owner = max((p for p in param_shardings if key.endswith(p)), key=len, default=None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_shardings[owner] if owner else replicated)
+
+  opt_state = jax.tree_util.tree_map_with_path(like_its_parameter, jax.eval_shape(optimizer.init, params))
+  return graphdef, TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
 
 
 def decay_mask(params):

@@ -34,7 +34,7 @@ class SyntheticLanguage:
 
   def __init__(self, vocab_size, branching, seed, held_out=False):
     if not 1 <= branching <= vocab_size:
-      raise UserError(f"branching={branching} must be between 1 and vocab_size={vocab_size}")
+      raise UserError(f"data.branching={branching} must be between 1 and model.vocab_size={vocab_size}")
     rng = np.random.default_rng(seed)
     self.vocab_size, self.seed = vocab_size, seed
     self.stream = [1] if held_out else []  # held-out samples: another random stream of the same language
@@ -65,7 +65,7 @@ class TokenWindows:
     self.tokens, self.num_tokens, self.where, self.eos = tokens, tokens.size, where, eos
     self.first = 0  # where `tokens` start in the file (`part`)
     if tokens.size and int(tokens.max()) >= vocab_size:
-      raise UserError(f"token id {int(tokens.max())} is out of range for vocab_size={vocab_size}")
+      raise UserError(f"token id {int(tokens.max())} is out of range for model.vocab_size={vocab_size}")
     self._check_length(seq_len)
 
   def _check_length(self, seq_len):
@@ -224,12 +224,16 @@ def make_source(data_config, vocab_size, seq_len=None, key="data.path"):
   if kind == "tokens":
     eos = data_config.eos_token if isinstance(data_config.eos_token, int) else None
     if eos is not None and eos >= vocab_size:
-      raise UserError(f"data.eos_token={eos} is out of range for vocab_size={vocab_size}")
+      raise UserError(f"data.eos_token={eos} is out of range for model.vocab_size={vocab_size}")
     return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where, eos)
   if data_config.tokenizer:
     return _tokenized_text(data_config, vocab_size, seq_len)
   if vocab_size < 256:
-    raise UserError(f"text data is byte-level and needs vocab_size ≥ 256; the model has {vocab_size}")
+    raise UserError(f"data.kind=text without data.tokenizer reads bytes and needs model.vocab_size ≥ 256; the model "
+                    f"has {vocab_size}")
+  if path.suffix in (".jsonl", ".json") and jax.process_index() == 0:
+    print(f"warning: {where} is read as bytes, its JSON syntax included, since no data.tokenizer is given (with one, "
+          f"each line's {data_config.text_field!r} field is a document)", flush=True)
   data = path.read_bytes()
   _check_utf8(data, where)
   return TokenWindows(np.frombuffer(data, dtype=np.uint8), vocab_size, seq_len, where)

@@ -12,11 +12,8 @@ from jax.experimental import topologies
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import MissingInput, UserError
+from train.metrics import size
 from train.plan.planner import make_planner
-
-
-def _gib(n):
-  return f"{n / 2**30:.2f}"
 
 
 # The dispatchers `relaymoe-plan` puts side by side: the run's ring and the two all-to-alls a JAX user has.
@@ -84,20 +81,36 @@ def accumulating(planner, batch_size, most, shards, log=print, tries=3):
 
 
 def render(results, maximize=None):
-  """The side-by-side table of `search`'s results."""
-  lines = ["| variant | dispatcher | batch | seq_len | remat | state GiB | temporaries GiB | total GiB | budget GiB "
-           "| fits | not fitting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  """The side-by-side table of `search`'s results (bytes per device), and for each variant where nothing fits what
+  to try next."""
+  lines = ["| variant | dispatcher | batch | seq_len | remat | state | temporaries | total | budget | fits | "
+           "not fitting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  hints = []
   for name, r in results.items():
     p = r["plan"]
     if p is None:
       lines.append(f"| {name} | {r['dispatcher']} | — | — | nothing fits | | | | | no | {r['not_fitting']} |")
+      hints.append(_nothing_fits(name, maximize, r["not_fitting"]))
       continue
     batch = f"{p.batch_size} = {p.micro_batches} × {p.batch_size // p.micro_batches}" if p.micro_batches > 1 else (
         p.batch_size)
     lines.append(f"| {name} | {r['dispatcher']} | {batch} | {p.seq_len} | {p.summary()} | "
-                 f"{_gib(p.state_bytes)} | {_gib(p.temp_bytes)} | {_gib(p.total_bytes)} | {_gib(p.budget_bytes)} | "
+                 f"{size(p.state_bytes)} | {size(p.temp_bytes)} | {size(p.total_bytes)} | {size(p.budget_bytes)} | "
                  f"{'yes' if p.fits else 'no'} | {r['not_fitting'] or '—'} |")
-  return "\n".join(lines)
+    if not p.fits:
+      hints.append(_nothing_fits(name, None, None))
+  return "\n".join(lines + hints)
+
+
+def _nothing_fits(name, maximize, smallest):
+  if maximize == "seq":
+    return (f"{name}: not even seq_len={smallest} fits; --granule N searches in steps of N positions (default "
+            "1024), or add devices (mesh.expert) or runtime.context_parallel=true")
+  if maximize == "batch":
+    return (f"{name}: not even batch_size={smallest} fits at seq_len; lower seq_len, or add devices or "
+            "runtime.fsdp=true")
+  return (f"{name}: the run's shape does not fit under any remat plan; lower batch_size (or raise micro_batches) "
+          "or seq_len, or add devices")
 
 
 def topology_devices(topology, target_config=None):

@@ -144,7 +144,8 @@ class RunDirectory:
     if not self.overwrite:
       resume = "continue it with --resume, or " if steps else "it has no checkpoint to --resume from; "
       raise RunDirectoryError(f"{self.out} holds an earlier run ({held}); {resume}start over with --overwrite "
-                              f"(deletes its {', '.join(RUN_OUTPUTS)})")
+                              f"(deletes its {', '.join(RUN_OUTPUTS)}), or train into another directory with --out "
+                              "DIR")
     removed = [name for name in RUN_OUTPUTS if (self.out / name).exists()]
     for name in removed:
       path = self.out / name
