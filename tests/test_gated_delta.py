@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import gated_delta as gd
+from models.attention import gated_delta as gd, gated_delta_kernels as gk
 from models.attention.gated_delta import (chunk_transition, combine_transitions, gated_delta_rule,
                                           recurrent_gated_delta_rule)
 
@@ -95,6 +95,48 @@ def test_matches_recurrent_with_gradients(documents):
   for name in x:
     assert max_err(dx[name], dx_ref[name]) < 1e-5, name
 
+@pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_the_pallas_state_kernels_match_recurrent_with_gradients(documents):
+  """The loop over chunks as Pallas kernels (`gated_delta_kernels`, in Pallas' interpreter here; `pytest -m gpu`
+  runs them compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the gradients summed over
+  blocks of V are summed. Mutants killed: the decay left out of dS, one block's partial sum of dQd dropped, dV_new
+  without Kd dS."""
+  x = make_inputs(130, a_max=1.0)
+  x["v"] = np.concatenate([x["v"]] * (2 * gk.BLOCK_V // V), axis=-1)
+  x["initial_state"] = np.concatenate([x["initial_state"]] * (2 * gk.BLOCK_V // V), axis=-1)
+  seg = three_documents() if documents else np.zeros((B, 130), np.int32)
+  rng = np.random.default_rng(2)
+  w_o = rng.standard_normal(x["v"].shape, dtype=np.float32)
+  w_s = rng.standard_normal(x["initial_state"].shape, dtype=np.float32)
+  o, s, dx = run_and_grads(functools.partial(gated_delta_rule, state_kernel="pallas"), x, w_o, w_s, seg)
+  o_ref, s_ref, dx_ref = run_and_grads(recurrent_gated_delta_rule, x, w_o, w_s, seg)
+  assert max_err(o, o_ref) < 1e-5 and max_err(s, s_ref) < 1e-5
+  for name in x:
+    assert max_err(dx[name], dx_ref[name]) < 1e-5 * max(1.0, np.abs(dx_ref[name]).max()), name
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
+def test_on_a_gpu_the_compiled_pallas_kernels_match_the_xla_form(dtype, tolerance):
+  """Compiled by Triton at the 35B model's head sizes (K = V = 128), with documents: outputs, final state and every
+  gradient against XLA's float32 form (max |a − b| / max |b|); bfloat16 inputs take bfloat16 operands."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU; run `pytest -m gpu` there")
+  rng = np.random.default_rng(0)
+  b, s, hk, hv, k = 2, 320, 2, 4, 128
+  normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+  x = dict(q=normal(b, s, hk, k), k=normal(b, s, hk, k), v=normal(b, s, hv, k),
+           g=-np.logaddexp(0.0, normal(b, s, hv)), beta=1.0 / (1.0 + np.exp(-normal(b, s, hv))),
+           initial_state=0.5 * normal(b, hv, k, k))
+  seg = np.stack([np.arange(s) >= 100, np.arange(s) >= 256]).astype(np.int32)
+  w_o, w_s = normal(b, s, hv, k), normal(b, hv, k, k)
+  low = {n: a.astype(dtype) if n in "qkv" else a for n, a in x.items()}
+  o, st, dx = run_and_grads(functools.partial(gated_delta_rule, state_kernel="pallas"), low, w_o, w_s, seg)
+  o_ref, st_ref, dx_ref = run_and_grads(gated_delta_rule, x, w_o, w_s, seg)
+  relative = lambda a, r: max_err(a, r) / np.abs(np.asarray(r, np.float32)).max()
+  assert relative(o, o_ref) < tolerance and relative(st, st_ref) < tolerance
+  for name in x:
+    assert relative(dx[name], dx_ref[name]) < tolerance, name
+
 def test_documents_are_independent():
   seq_len = 130
   x = make_inputs(seq_len, a_max=1.0)  # slow decay, so a leak across a boundary would show
@@ -149,7 +191,7 @@ def test_custom_vjp_saves_only_inputs():
   inputs = sum(a.size for a in x.values()) + seg.size
   assert saved(gated_delta_rule) <= inputs
   plain = lambda q, k, v, g, beta, initial_state, **_: gd._chunked_forward(
-      q, k, v, g, beta, seg, initial_state, 64, True)
+      q, k, v, g, beta, seg, initial_state, 64, True, "xla")
   assert saved(plain) > 2 * inputs  # plain autodiff keeps per-chunk states and matrices
 
 def test_output_dtype_follows_v():

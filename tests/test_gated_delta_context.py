@@ -94,10 +94,12 @@ def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids):
     assert np.abs(got - value).max() <= RTOL * scale, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("segment_ids", [None, SEGMENTS[:2]], ids=["one-document", "documents"])
-def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids):
+@pytest.mark.parametrize("segment_ids,state_kernel", [(None, "xla"), (SEGMENTS[:2], "xla"),
+                                                      pytest.param(SEGMENTS[:2], "pallas", marks=pytest.mark.slow)],
+                         ids=["one-document", "documents", "documents-pallas"])
+def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids, state_kernel):
   """The rule alone on random inputs (decays up to 0.5 a token, so the passed state matters): output and every
-  input's gradient, each within RTOL of its largest entry."""
+  input's gradient, each within RTOL of its largest entry; with the Pallas state kernels too (what GPUs run)."""
   rng = np.random.default_rng(1)
   q, k, v, w = (rng.normal(size=(2, LENGTH, 2, 8)).astype(np.float32) for _ in range(4))
   g, beta = -rng.uniform(0.01, 0.5, (2, LENGTH, 2)), rng.uniform(0.1, 0.9, (2, LENGTH, 2))
@@ -107,7 +109,8 @@ def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids):
     return jnp.sum(gated_delta_rule(*args, segment_ids=segment_ids)[0] * w)
 
   def split(*args):
-    o, _ = context_gated_delta_rule(*map(held, args), mesh=_mesh(), segment_ids=held(segment_ids))
+    o, _ = context_gated_delta_rule(*map(held, args), mesh=_mesh(), segment_ids=held(segment_ids),
+                                    state_kernel=state_kernel)
     return jnp.sum(to_sequence_order(o, 4) * w)
 
   inputs = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]

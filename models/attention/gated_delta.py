@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.attention.gated_delta_kernels import state_pass
+
 # Matching float32 references needs full float32 matmuls; DEFAULT precision may use TF32 on GPUs.
 _PRECISION = lax.Precision.HIGHEST
 
@@ -156,27 +158,45 @@ def _scan_chunks(chunks, state_BHKV):
   return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
 
 
-def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+def _kernel_state_pass(chunks, state_BHKV, out_dtype):
+  """`_scan_chunks` by the Pallas kernels (`gated_delta_kernels`): bfloat16 operands where the inputs are not
+  float32 (float32 accumulation, state and decay), in Pallas' interpreter off GPUs."""
+  bhn = lambda x: jnp.moveaxis(x, 1, 2)
+  precision = _PRECISION if out_dtype == jnp.float32 else None
+  o_BHNCV, state_BHKV = state_pass(
+      bhn(chunks.qd_BNHCK), bhn(chunks.kd_BNHCK), bhn(chunks.w_BNHCK), bhn(chunks.p_BNHCC), bhn(chunks.u_BNHCV),
+      bhn(chunks.decay_BNH), state_BHKV, precision, jax.default_backend() != "gpu", out_dtype)
+  b, h, n, c, v = o_BHNCV.shape
+  return jnp.moveaxis(o_BHNCV, 1, 3).reshape(b, n * c, h, v), state_BHKV
+
+
+STATE_KERNELS = ("xla", "pallas")
+
+
+def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
   chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
-  o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
+  if state_kernel == "pallas":
+    o_BSHV, state_BHKV = _kernel_state_pass(chunks, state_BHKV.astype(jnp.float32), v.dtype)
+  else:
+    o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
   return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
+  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
 
 
-def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
+  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
   # Only the inputs are kept: per-chunk states would cost N·H·K·V floats per sequence and layer.
   return out, (q, k, v, g, beta, seg_BS, state_BHKV)
 
 
-def _chunked_bwd(chunk_size, l2_normalize, residuals, cotangents):
+def _chunked_bwd(chunk_size, l2_normalize, state_kernel, residuals, cotangents):
   q, k, v, g, beta, seg_BS, state_BHKV = residuals
   forward = lambda q, k, v, g, beta, s: _chunked_forward(
-      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize)
+      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, state_kernel)
   _, vjp = jax.vjp(forward, q, k, v, g, beta, state_BHKV)
   dq, dk, dv, dg, dbeta, dstate = vjp(cotangents)
   return dq, dk, dv, dg, dbeta, None, dstate
@@ -192,7 +212,7 @@ def _initial_state(initial_state, v_BSHV, key_dim):
 
 
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
-                     l2_normalize=True, output_final_state=False):
+                     l2_normalize=True, output_final_state=False, state_kernel="xla"):
   """Gated delta rule, chunked form, with a memory-lean custom VJP.
 
   Args:
@@ -207,13 +227,17 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     chunk_size: chunk length C; S is padded to a multiple of it.
     l2_normalize: L2-normalise q and k over K first.
     output_final_state: also return the state after the last token.
+    state_kernel: the loop over chunks as a `lax.scan` ("xla") or the Pallas kernels ("pallas": on GPUs; in Pallas'
+      interpreter elsewhere), which take bfloat16 operands unless v is float32.
 
   Returns:
     (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
   """
+  if state_kernel not in STATE_KERNELS:
+    raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
   seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
-  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
   return o_BSHV, (state_BHKV if output_final_state else None)
 
 

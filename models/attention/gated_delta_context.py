@@ -27,12 +27,15 @@ from relaymoe_jax.axes import DATA, EXPERT
 from relaymoe_jax.errors import UserError
 
 
-def _sharded(local, mesh, arrays, optional):
+# A Pallas call's outputs do not say how they vary over the mesh, which shard_map's check_vma requires (named by an
+# argument that differs between JAX versions): shard_maps around one do without the check. Every input there is
+# split, none replicated, so no gradient needs the psum the check would place.
+def _sharded(local, mesh, arrays, optional, check_vma=True):
   """shard_map of `local` over rows ('data') and the held sequence ('expert'); `optional` arrays (None or [B, S])
   go after `arrays` ([B, S, ...]); the result is laid out as the first array."""
   spec = P(DATA, EXPERT)
   specs = tuple(spec for _ in arrays) + tuple(None if x is None else spec for x in optional)
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=True)(*arrays, *optional)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=check_vma)(*arrays, *optional)
 
 
 def _local_chunks(x_BS):
@@ -106,7 +109,18 @@ def _initial_states(ms_2B, bs_2B, seg_2BC, ring):
   return _own_chunks(states_PB, ring)
 
 
-def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_size=64, l2_normalize=True):
+def on_row_shards(rule, q, k, v, g, beta, *, mesh, axes, segment_ids=None):
+  """`rule` (`gated_delta_rule` with its Pallas kernels, which XLA cannot partition) on each device's own rows: a
+  shard_map over the mesh `axes` that split the batch. Returns (o, None), as `gated_delta_rule`."""
+  spec = P(axes)
+  local = lambda q, k, v, g, beta, seg_BS: rule(q, k, v, g, beta, segment_ids=seg_BS)[0]
+  specs = (spec,) * 5 + (None if segment_ids is None else spec,)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(
+      q, k, v, g, beta, segment_ids), None
+
+
+def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_size=64, l2_normalize=True,
+                             state_kernel="xla"):
   """`gated_delta_rule` (same arguments, no initial or final state) of sequences in held order, split over 'expert'.
 
   Moves: all_gather over 'expert' of every chunk's state map, 2N × (K×K + K×V) float32 per value head per row, and
@@ -127,8 +141,9 @@ def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_
     ms, bs = chunk_transition(*map(rows, chunked), segment_ids=seg_rows, **rule)
     unrows = lambda x: x.reshape(2, -1, *x.shape[1:])
     states_2B = _initial_states(unrows(ms), unrows(bs), seg_2BC, ring)
-    o, _ = gated_delta_rule(*map(rows, chunked), segment_ids=seg_rows, initial_state=rows(states_2B), **rule)
+    o, _ = gated_delta_rule(*map(rows, chunked), segment_ids=seg_rows, initial_state=rows(states_2B),
+                            state_kernel=state_kernel, **rule)
     return _from_local_chunks(unrows(o))
 
-  return _sharded(local, mesh, (q, k, v, g, beta), (segment_ids,)), None
+  return _sharded(local, mesh, (q, k, v, g, beta), (segment_ids,), check_vma=state_kernel == "xla"), None
 

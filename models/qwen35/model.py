@@ -21,11 +21,11 @@ from flax import nnx
 
 from models.attention.context_parallel import splits_sequences
 from models.attention.gated_delta import gated_delta_rule
-from models.attention.gated_delta_context import context_causal_conv, context_gated_delta_rule
+from models.attention.gated_delta_context import context_causal_conv, context_gated_delta_rule, on_row_shards
 from models.qwen3 import model as qwen3
 from models.qwen35.config import FULL
 from models.runtime import RuntimeConfig
-from models.sharding import make_param
+from models.sharding import batch_axes, make_param
 
 
 def zero_centred_rms_norm(x, weight, eps):
@@ -125,7 +125,7 @@ class GatedDeltaNet(qwen3.Layer):
       a = (x_BSD @ self.cast(self.in_a_DC)).astype(jnp.float32)
     split = splits_sequences(self.runtime, self.mesh)  # each device holds two chunks: state passing across them
     conv = functools.partial(context_causal_conv, causal_conv, mesh=self.mesh) if split else causal_conv
-    rule = functools.partial(context_gated_delta_rule, mesh=self.mesh) if split else gated_delta_rule
+    rule = delta_rule(self.runtime, self.mesh)
     with jax.named_scope("deltanet"):  # the step profile's part (`train.profile.step_parts`): conv, gates, rule
       qkv_BSC = jax.nn.silu(conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS=segment_ids_BS))
       q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
@@ -135,6 +135,24 @@ class GatedDeltaNet(qwen3.Layer):
     with jax.named_scope("projection"):
       o = gated_rms_norm(o, z, self.norm_X[...], c.rms_norm_eps)
       return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)
+
+
+def delta_state_kernel(runtime, platform):
+  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (unless runtime.attention_implementation
+  is xla), XLA's scan elsewhere."""
+  return "pallas" if platform == "gpu" and runtime.attention_implementation != "xla" else "xla"
+
+
+def delta_rule(runtime, mesh):
+  """The gated delta rule as `runtime` runs it on `mesh`: split over sequences (context parallelism: state passing),
+  or the Pallas kernels on each device's rows (XLA cannot partition them), or XLA's form on the whole batch."""
+  kernel = delta_state_kernel(runtime, mesh.devices.flat[0].platform)
+  if splits_sequences(runtime, mesh):
+    return functools.partial(context_gated_delta_rule, mesh=mesh, state_kernel=kernel)
+  if kernel == "xla":
+    return gated_delta_rule
+  return functools.partial(on_row_shards, functools.partial(gated_delta_rule, state_kernel=kernel), mesh=mesh,
+                           axes=batch_axes(runtime))
 
 
 def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
