@@ -137,10 +137,16 @@ class GatedDeltaNet(qwen3.Layer):
       return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)
 
 
+# Whether the model runs the Pallas state kernels on GPUs: once they have compiled and passed `pytest -m gpu` on one,
+# which they have not yet (written where no GPU was lent). `gated_delta_rule(state_kernel="pallas")` runs them.
+KERNELS_ON_GPU = False
+
+
 def delta_state_kernel(runtime, platform):
-  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (unless runtime.attention_implementation
-  is xla), XLA's scan elsewhere."""
-  return "pallas" if platform == "gpu" and runtime.attention_implementation != "xla" else "xla"
+  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (once `KERNELS_ON_GPU`; not with
+  runtime.attention_implementation=xla), XLA's scan elsewhere."""
+  on = KERNELS_ON_GPU and platform == "gpu" and runtime.attention_implementation != "xla"
+  return "pallas" if on else "xla"
 
 
 def delta_rule(runtime, mesh):
