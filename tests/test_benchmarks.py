@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 import relaymoe_jax as rm
-from benchmarks import (capacity, cp_attention, documents, grouped_gemm, harness, loss_head, moe_layer,
-                        moe_layer_worker, train_compare)
+from benchmarks import (capacity, cp_attention, documents, gated_deltanet, grouped_gemm, harness, loss_head,
+                        moe_layer, moe_layer_worker, train_compare)
 from benchmarks.ep8_summary import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 from models.attention.documents import same_document
+from models.attention.gated_delta import gated_delta_rule
 
 
 @pytest.fixture(scope="module")
@@ -443,3 +444,25 @@ def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
   lines = out.with_suffix(".txt").read_text().splitlines()
   assert lines[0].startswith("# python -m benchmarks.documents --config cpu ") and " jax " in lines[1]
   assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d", lines[-1])
+
+
+def test_the_maxtext_baseline_computes_the_gated_delta_rule():
+  """The comparison's MaxText formulation (written from its description) is the rule itself: our chunked form's
+  output in float32 (1e-5 of the largest entry), so its times are those of the same math."""
+  q, k, v, g, beta, _ = (x.astype(jnp.float32) for x in gated_deltanet.inputs(2, 100, 2, 4, 16))
+  theirs = gated_deltanet.maxtext_gated_delta_rule(q, k, v, g, beta, chunk_size=16, compute_dtype=jnp.float32)
+  ours, _ = gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+  assert np.abs(np.asarray(theirs) - np.asarray(ours)).max() <= 1e-5 * np.abs(np.asarray(ours)).max()
+
+
+def test_gated_deltanet_writes_its_table_and_summary(tmp_path):
+  """At a tiny shape on CPU: the XLA form measured forward and forward + backward, the kernels' and fla's rows
+  saying they need a GPU, the summary line last."""
+  out = tmp_path / "gdn.json"
+  gated_deltanet.main(["--shapes", "1x128", "--variants", "xla,pallas,fla", "--key-heads", "1", "--value-heads", "2",
+                       "--head-dim", "16", "--iters", "1", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert rows[0]["variant"] == "xla" and rows[0]["fwd_ms"] > 0 and rows[0]["fwd_bwd_ms"] > 0
+  assert [r.get("note") for r in rows[1:]] == ["needs a GPU", "needs a GPU"]
+  last = (tmp_path / "gdn.txt").read_text().splitlines()[-1]
+  assert last.startswith("summary: gated_deltanet 1x128 variant=xla fwd_ms=") and "fla_fwd_ms=-" in last
