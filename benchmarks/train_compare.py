@@ -2,16 +2,21 @@
 
     python -m benchmarks.train_compare [--config gpu] [--steps 200] [--dispatchers ring_expert,all_to_all]
                                        [--seq-search] [key=value ...]
+    python -m benchmarks.train_compare --ep8-summary [--layer benchmarks/results/moe_layer.json]
+                                       [--out benchmarks/results/train_compare.json] [--ring ring_expert]
 
 Each run is a separate `relaymoe-train` process (so allocator peaks do not mix) writing its own metrics.jsonl. The
 loss curves of exact dispatchers must agree up to floating-point noise (RelayMoE Fig. 18). `--seq-search` then
 doubles seq_len per dispatcher until a run fails, to find the longest sequence each one trains. Prints a table,
-writes JSON (and a PNG of the curves where matplotlib is installed) under benchmarks/results/.
+writes JSON (and a PNG of the curves where matplotlib is installed) under benchmarks/results/. `--ep8-summary`
+condenses a `moe_layer` results file run on eight GPUs and this benchmark's results into the EP=8 headline line:
+means over every (shape, tokens per GPU) point where the ring and both all-to-alls ran on 8 GPUs.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -67,6 +72,23 @@ def plot(runs, path):
   return harness.save_figure(fig, path)
 
 
+def ep8_summary(layer_rows, train_result, ring="ring_expert", gpus=8):
+  by = {(r["shape"], r["tokens_per_gpu"], r["variant"]): r for r in layer_rows
+        if r.get("gpus") == gpus and "error" not in r}
+  points = sorted({(s, t) for s, t, v in by if v == ring
+                   and (s, t, "a2a_dropless") in by and (s, t, "a2a_cf1") in by})
+  if not points:
+    raise ValueError(f"no point where {ring}, a2a_dropless and a2a_cf1 all ran on {gpus} GPUs")
+
+  def mean_ratio(base, key):
+    return statistics.fmean(by[(s, t, base)][key] / by[(s, t, ring)][key] for s, t in points)
+
+  return (f"summary: ep8 speedup_vs_dropless_mean={mean_ratio('a2a_dropless', 'latency_ms'):.2f} "
+          f"speedup_vs_cf1_mean={mean_ratio('a2a_cf1', 'latency_ms'):.2f} "
+          f"mem_ratio_dropless_mean={mean_ratio('a2a_dropless', 'peak_bytes'):.2f} "
+          f"loss_curve_max_abs_diff={train_result['loss_curve_max_abs_diff']:.3g}")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="gpu")
@@ -75,8 +97,14 @@ def main(argv=None):
   parser.add_argument("--seq-search", action="store_true")
   parser.add_argument("--work", default="/tmp/relaymoe_train_compare")
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "train_compare.json"))
+  parser.add_argument("--ep8-summary", action="store_true", help="print the EP=8 headline from --layer and --out")
+  parser.add_argument("--layer", default=os.path.join(harness.RESULTS, "moe_layer.json"))
+  parser.add_argument("--ring", default="ring_expert")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
   args = parser.parse_args(argv)
+  if args.ep8_summary:
+    print(ep8_summary(harness.load_json(args.layer)["rows"], harness.load_json(args.out), args.ring))
+    return
   dispatchers = args.dispatchers.split(",")
   if len(dispatchers) != 2:
     raise SystemExit(f"--dispatchers needs exactly two names, got {dispatchers}")

@@ -15,7 +15,7 @@ import pytest
 import relaymoe_jax as rm
 from benchmarks import (capacity, cp_attention, documents, gated_deltanet, grouped_gemm, harness, loss_head,
                         moe_layer, moe_layer_worker, train_compare)
-from benchmarks.ep8_summary import ep8_summary
+from benchmarks.train_compare import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 from models.attention.documents import same_document
 from models.attention.gated_delta import gated_delta_rule
@@ -353,8 +353,7 @@ def test_grouped_gemm_merge_replaces_rows_and_marks_other_tiles(tmp_path):
 
 def test_the_drivers_import_no_jax():
   """The drivers orchestrate processes, merge, render and plot; JAX lives in the workers they start."""
-  code = ("import sys; import benchmarks.moe_layer, benchmarks.capacity, benchmarks.train_compare, "
-          "benchmarks.ep8_summary; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
+  code = ("import sys; import benchmarks.moe_layer, benchmarks.capacity, benchmarks.train_compare; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=harness.REPO)
 
 
