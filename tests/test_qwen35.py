@@ -28,7 +28,7 @@ from train.config import EvalConfig, MeshConfig, load_run_config
 from train.loop import run
 from train.mesh import build_mesh
 from train.profile.step_parts import full_op_names, parse_hlo, part_of
-from train.step import delta_flops, layer_forward_flops
+from train.step import delta_flops, layer_forward_flops, mean_layer_flops
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 TEXT, MULTIMODAL = "qwen3_5_moe_text", "qwen3_5_moe"
@@ -158,6 +158,11 @@ def test_flops_count_the_deltanet_and_the_attention_gate():
   assert delta_flops(config) == pytest.approx(71.63e6, rel=1e-3)
   attention, _ = layer_forward_flops(config, 0, 3)
   assert attention == pytest.approx(54.53e6, rel=1e-3)
+  # The planner's means: a DeltaNet layer keeps no attention kernel's outputs, so only the 10 attention layers' scores
+  # are what `all_but_attention` saves recomputing.
+  mean_attention, _, scores = mean_layer_flops(config, 4096)
+  assert scores == pytest.approx(10 / 40 * 2 * 4096 * 16 * 256)
+  assert mean_attention == pytest.approx((30 * delta_flops(config) + 10 * layer_forward_flops(config, 4096, 3)[0]) / 40)
 
 
 @pytest.mark.parametrize("change,message", [

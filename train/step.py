@@ -144,6 +144,16 @@ def layer_forward_flops(c, seq_len, layer):
   return attention, 6 * c.hidden_size * c.intermediate_size
 
 
+def mean_layer_flops(c, seq_len):
+  """(attention, MLP, attention-kernel scores) forward FLOPs per token, each the mean over the layers: what the
+  planner prices recompute with. A DeltaNet layer has no attention kernel, so none of its work is scores."""
+  layers = range(c.num_hidden_layers)
+  attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, seq_len, i) for i in layers)))
+  linear = getattr(c, "is_linear", lambda layer: False)
+  scores = sum(score_flops(c, seq_len) for i in layers if not linear(i)) / c.num_hidden_layers
+  return attention, mlp, scores
+
+
 def delta_flops(c):
   """A Gated DeltaNet layer's forward FLOPs per token, as Megatron counts them: its projections (q, k, v, z, β, a
   in; out), the conv, and 8 · heads · key width · value width for the delta rule's core."""

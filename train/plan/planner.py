@@ -32,7 +32,7 @@ from train.config import RunConfig
 from train.mesh import token_shards
 from train.plan.record import Plan
 from train.metrics import peak_tflops, size
-from train.step import layer_forward_flops, score_flops
+from train.step import mean_layer_flops
 
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200 hosts)
 # A ring's largest chunk when memory is short. By default a hop runs its whole share of pairs (T·K/N rows) as one
@@ -285,12 +285,11 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     c = self.model_config
     tokens = run.micro_batch_size * run.seq_len / token_shards(self.mesh)
-    attention, mlp = (sum(f) / c.num_hidden_layers for f in zip(*(layer_forward_flops(c, run.seq_len, i)
-                                                                    for i in range(c.num_hidden_layers))))
+    attention, mlp, scores = mean_layer_flops(c, run.seq_len)
     peak = 1e12 * (peak_tflops(run, self.devices) or 1.0)
     recompute_layer = tokens * (attention + mlp) / peak
     return {"none": 0.0, "attention": tokens * attention / peak, "layer": recompute_layer,
-            "all_but_attention": recompute_layer - tokens * score_flops(c, run.seq_len) / peak,
+            "all_but_attention": recompute_layer - tokens * scores / peak,
             "offload": recompute_layer + 2 * self._layer_input_bytes(changes) / HOST_LINK_BYTES_PER_S}
 
   def _result(self, remat, plan, changes, keep_gate_up=False):
