@@ -5,13 +5,25 @@ import json
 import math
 import struct
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 from tensorboardX.proto import event_pb2
 
+from conftest import requires_devices
+from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
 from models.qwen35.config import load_config as load_qwen35_config
+from models.router_state import non_finite_biases
+from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
+from test_train import tiny_run
+from train.config import MeshConfig
+from train.loop import run
+from train.mesh import build_mesh
 from train.metrics import MetricsLog
+from train.step import BAD_BIAS, non_finite_state
 
 
 def tensorboard_scalars(directory):
@@ -41,3 +53,33 @@ def test_tensorboard_worst_layer_is_the_worst_layer_not_a_sum(tmp_path):
 def test_a_router_bias_rate_that_is_not_finite_is_named(load, rate):
   with pytest.raises(UserError, match=f"^router_bias_update_rate={rate} must be finite and ≥ 0"):
     load("tiny" if load is load_config else "qwen3.5-tiny", router_bias_update_rate=rate)
+
+
+def test_a_non_finite_router_bias_or_load_statistic_is_non_finite_state():
+  finite = dict(loss=2.0, grad_norm=1.0, update_norm=0.1, expert_load_cv=[0.1, 0.2], dead_experts=[0, 1])
+  assert non_finite_state(dict(finite, **{BAD_BIAS: 0})) == ""
+  assert "3 router-bias entries not finite" in non_finite_state(dict(finite, **{BAD_BIAS: 3}))
+  assert "expert_load_cv [0.1, nan]" in non_finite_state(dict(finite, expert_load_cv=[0.1, math.nan]))
+  assert non_finite_state(dict(finite, loss=math.nan)).startswith("loss nan, gradient norm 1.0")
+
+
+def test_router_bias_entries_that_are_not_finite_are_counted():
+  """The count the loop stops on (`BAD_BIAS`): every router bias's entries, no other parameter's; the model's
+  biases are where it looks."""
+  requires_devices(8)
+  params = {"layers": {0: {"mlp": {"router_bias_E": np.array([0.0, np.inf, np.nan])}},
+                       1: {"mlp": {"router_bias_E": np.array([[np.nan, 1.0]])}}}, "w": np.array([np.nan])}
+  assert int(non_finite_biases(params)) == 3
+  config = load_config("tiny", router_bias_update_rate=0.01)
+  state = qwen3.abstract(config, build_mesh(MeshConfig(data=2, expert=4)), runtime=RuntimeConfig())[1]
+  zeros = jax.tree.map(lambda leaf: np.full(leaf.shape, np.nan, np.float32), nnx.to_pure_dict(state))
+  assert int(non_finite_biases(zeros)) == config.num_experts * config.num_hidden_layers
+
+
+@pytest.mark.slow  # trains two steps of its own (a compile, ~15 s on 2 cores); CI's second step runs it
+def test_a_router_bias_that_overflows_stops_the_run_before_it_is_saved(tmp_path):
+  requires_devices(8)
+  config = tiny_run(tmp_path, steps=3, checkpoint_every=1, model_overrides=dict(router_bias_update_rate=3e38))
+  with pytest.raises(FloatingPointError, match=r"non-finite training state at step 1: .*router-bias entries not "
+                                               r"finite; stopping. The last good checkpoint is step 1"):
+    run(config)

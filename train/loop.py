@@ -3,7 +3,6 @@
 
 import dataclasses
 import json
-import math
 import pathlib
 import time
 
@@ -28,7 +27,7 @@ from train.rundir.directory import RunDirectory
 from train.run import resolve_run, resolve_step
 from train.sources import initial_params
 from train.profile.step_parts import full_op_names
-from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token
+from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token, non_finite_state
 
 
 def dispatch_plan(model_config, run_config, mesh):
@@ -145,10 +144,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
       raise DataChanged(f"step {step}: {bad_ids} token ids of its batch are outside the vocabulary "
                         f"(vocab_size={model_config.vocab_size}): data.path {run_config.data.path!r} changed under "
                         f"the run; stopping. {_last_good(checkpoints)}")
-    if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
-      raise FloatingPointError(
-          f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
-          f"update norm {values['update_norm']}; stopping. {_last_good(checkpoints)}")
+    if bad := non_finite_state(values):
+      raise FloatingPointError(f"non-finite training state at step {step}: {bad}; stopping. {_last_good(checkpoints)}")
     window_steps += 1
     if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
       return
