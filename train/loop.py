@@ -17,7 +17,7 @@ from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
 from train.config import RunConfig
 from train.data.batches import DataChanged, batch, data_change, data_stamp, make_sources
-from train.evaluate import Evaluator
+from train.evaluate import Evaluator, check_held_out, eval_due
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
@@ -92,6 +92,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
   resolved = resolve_run(run_config)  # the model config and mesh, once
   model_config = resolved.model_config
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
+  if held_out:
+    check_held_out(run_config, held_out)
   stamp = data_stamp(run_config.data)
   with stop.at_once():  # a signal while the step is planned and compiled (minutes) stops the run there
     resolved = resolve_step(resolved, resume)
@@ -130,7 +132,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
       print(f"MoE dispatcher {runtime.dispatcher}; ring volume model prefers {plan.reason}", flush=True)
   moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
-  evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh)
+  evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh, stop.requested)
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history = []
   pending = None  # (step, metrics of that step) still on device: read one step late
@@ -182,8 +184,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
         pending = None
       if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
-      if evaluator and ((step + 1) % run_config.eval.every == 0 or step + 1 == run_config.steps):
-        values = evaluator(state.params)
+      if evaluator and eval_due(run_config, step) and (values := evaluator(state.params)):  # None: a signal came
         window_start += values["eval_s"]  # neither the throughput nor the step time counts it
         log.write(dict(step=step, **values))
       if signum == FAILED:

@@ -181,6 +181,9 @@ def make_sources(data_config, eval_config, vocab_size, seq_len, held_out=False):
   if not (held_out or eval_config.every or eval_config.path or eval_config.fraction):
     return make_source(data_config, vocab_size, seq_len), None
   if eval_config.path:
+    if data_config.kind == "synthetic":
+      raise UserError(f"eval.path={eval_config.path!r} is for data read from a file; the synthetic language's "
+                      "held-out batches are fresh samples of it: leave eval.path out (or set data.kind)")
     return (make_source(data_config, vocab_size, seq_len),
             make_source(dataclasses.replace(data_config, path=eval_config.path), vocab_size, seq_len, "eval.path"))
   if data_config.kind == "synthetic":
