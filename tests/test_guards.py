@@ -1,7 +1,7 @@
 """Nothing silently wrong around the held-out loss, the router bias, the load metrics and the profile: each input
 that cannot work is one line before anything compiles, each number is the right one (issue 49)."""
 
-import json
+import dataclasses
 import math
 import struct
 
@@ -19,7 +19,8 @@ from models.router_state import non_finite_biases
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
 from test_train import tiny_run
-from train.config import MeshConfig
+from train.config import DataConfig, EvalConfig, MeshConfig
+from train.data.batches import make_sources
 from train.loop import run
 from train.mesh import build_mesh
 from train.metrics import MetricsLog
@@ -83,3 +84,31 @@ def test_a_router_bias_that_overflows_stops_the_run_before_it_is_saved(tmp_path)
   with pytest.raises(FloatingPointError, match=r"non-finite training state at step 1: .*router-bias entries not "
                                                r"finite; stopping. The last good checkpoint is step 1"):
     run(config)
+
+
+def test_a_uint32_eval_file_beside_uint16_training_data_is_named_and_read_with_eval_token_dtype(tmp_path):
+  """Read as uint16, its ids' high halves were 0s: with eos 0, half the targets left the loss as cross-document."""
+  rng = np.random.default_rng(0)
+  rng.integers(1, 96, 4096).astype(np.uint16).tofile(tmp_path / "train.bin")
+  held_out = rng.integers(1, 96, 2048).astype(np.uint32)
+  held_out.tofile(tmp_path / "eval.bin")
+  data = DataConfig(kind="tokens", path=str(tmp_path / "train.bin"), eos_token=0)
+  with pytest.raises(UserError, match=rf"^eval.path '{tmp_path}/eval.bin' reads as uint32 ids: every second of its "
+                                      r"first 4096 uint16 tokens is 0; set eval.token_dtype=uint32$"):
+    make_sources(data, EvalConfig(path=str(tmp_path / "eval.bin")), 96, 16)
+  train, source = make_sources(data, EvalConfig(path=str(tmp_path / "eval.bin"), token_dtype="uint32"), 96, 16)
+  assert train.tokens.dtype == np.uint16 and np.array_equal(source.tokens, held_out)
+  with pytest.raises(UserError, match=r"^data.path '.*eval.bin' reads as uint32 ids: .* set data.token_dtype=uint32"):
+    make_sources(dataclasses.replace(data, path=str(tmp_path / "eval.bin")), EvalConfig(), 96, 16)
+  with pytest.raises(UserError, match=r"^eval.token_dtype='int8' must be uint16 or uint32"):
+    EvalConfig(token_dtype="int8")
+
+
+def test_training_data_of_only_eos_is_refused(tmp_path):
+  """Every target follows an EOS and leaves the loss: it trained at ce 0.0."""
+  np.zeros(1000, np.uint16).tofile(tmp_path / "eos.bin")
+  data = DataConfig(kind="tokens", path=str(tmp_path / "eos.bin"), eos_token=0)
+  with pytest.raises(UserError, match=rf"^data.path '{tmp_path}/eos.bin' holds only the EOS id 0 \(data.eos_token\): "
+                                      "no target is in its input's document"):
+    make_sources(data, EvalConfig(), 96, 16)
+  make_sources(dataclasses.replace(data, document_masking=False), EvalConfig(), 96, 16)  # every target counts

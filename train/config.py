@@ -75,11 +75,14 @@ class EvalConfig:
   off at a document boundary (the training run never sees it), else, for the synthetic language, fresh samples."""
 
   path: str = ""
+  token_dtype: str = ""  # `path`'s, for data.kind=tokens: uint16 or uint32; "" = data.token_dtype
   fraction: float = 0.0
   every: int = 0
   batches: int = 4
 
   def __post_init__(self):
+    if self.token_dtype not in ("", "uint16", "uint32"):
+      raise UserError(f"eval.token_dtype={self.token_dtype!r} must be uint16 or uint32 (or empty: data.token_dtype)")
     if not 0 <= self.fraction < 1:
       raise UserError(f"eval.fraction={self.fraction} must be in [0, 1)")
     if self.path and self.fraction:
