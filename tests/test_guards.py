@@ -2,6 +2,7 @@
 that cannot work is one line before anything compiles, each number is the right one (issue 49)."""
 
 import dataclasses
+import json
 import math
 import struct
 
@@ -21,7 +22,7 @@ from relaymoe_jax.errors import UserError
 from test_train import tiny_run
 from train.config import DataConfig, EvalConfig, MeshConfig
 from train.data.batches import make_sources
-from train.loop import run
+from train.loop import _say_if_data_changed, run
 from train.mesh import build_mesh
 from train.metrics import MetricsLog
 from train.step import BAD_BIAS, non_finite_state
@@ -112,3 +113,17 @@ def test_training_data_of_only_eos_is_refused(tmp_path):
                                       "no target is in its input's document"):
     make_sources(data, EvalConfig(), 96, 16)
   make_sources(dataclasses.replace(data, document_masking=False), EvalConfig(), 96, 16)  # every target counts
+
+
+def test_resuming_with_a_larger_eval_fraction_says_it_evaluates_on_trained_data(tmp_path, capsys):
+  stored = tmp_path / "run_config.json"
+  stored.write_text(json.dumps(dict(run=dict(eval=dict(fraction=0.0, path="")), data_file=None)))
+  _say_if_data_changed(stored, None, EvalConfig(fraction=0.1, every=5))
+  assert capsys.readouterr().out == (
+      "warning: eval.fraction=0.1 holds out data that the steps before this resume trained on (they ran with "
+      "eval.fraction=0.0): the held-out loss is partly over data the model has seen, and the training batches from "
+      "here on are cut from less data\n")
+  for before, now in [(0.1, 0.1), (0.2, 0.1), (0.1, 0.0)]:  # held out all along: nothing to say
+    stored.write_text(json.dumps(dict(run=dict(eval=dict(fraction=before)))))
+    _say_if_data_changed(stored, None, EvalConfig(fraction=now))
+    assert capsys.readouterr().out == ""

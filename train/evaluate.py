@@ -71,6 +71,17 @@ def eval_due(run_config, step):
   return bool(every and (step + 1) % every == 0) or step + 1 == run_config.steps
 
 
+def held_out_change(before, now):
+  """A warning where a resumed run's `eval.fraction` (`now`) holds out data that the steps before it trained on
+  (`before`: the run's stored `eval`, a dict); else None."""
+  fraction = (before or {}).get("fraction") or 0.0
+  if not isinstance(fraction, (int, float)) or now.fraction <= fraction:
+    return None
+  return (f"warning: eval.fraction={now.fraction} holds out data that the steps before this resume trained on (they "
+          f"ran with eval.fraction={fraction}): the held-out loss is partly over data the model has seen, and the "
+          "training batches from here on are cut from less data")
+
+
 def check_held_out(run_config, source):
   """Held-out data that gives `eval.batches` distinct batches with targets to count, else a UserError: a short file
   was read round again, and one with no counted target reported a loss of 0."""

@@ -17,7 +17,7 @@ from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
 from train.config import RunConfig
 from train.data.batches import DataChanged, batch, data_change, data_stamp, make_sources
-from train.evaluate import Evaluator, check_held_out, eval_due
+from train.evaluate import Evaluator, check_held_out, eval_due, held_out_change
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
@@ -73,15 +73,17 @@ def _last_good(checkpoints):
           f"There is no checkpoint yet in {checkpoints.directory}")
 
 
-def _say_if_data_changed(run_config_path, stamp):
-  """A resume says so when the data file is not the one the run's checkpoints were trained on (size, time)."""
+def _say_if_data_changed(run_config_path, stamp, eval_config):
+  """A resume says so when the data file is not the one the run's checkpoints were trained on (size, time), and when
+  it holds out data they were trained on (a larger `eval.fraction`)."""
   try:
-    before = json.loads(run_config_path.read_text()).get("data_file")
+    stored = json.loads(run_config_path.read_text())
+    before, eval_before = stored.get("data_file"), stored.get("run", {}).get("eval")
   except (OSError, ValueError, AttributeError):
     return
-  change = data_change(before, stamp)
-  if change:
-    print(change, flush=True)
+  for change in (data_change(before, stamp), held_out_change(eval_before, eval_config)):
+    if change:
+      print(change, flush=True)
 
 
 def _train(run_config, resume, checkpoints, stop, profile):
@@ -121,7 +123,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
   plan = dispatch_plan(model_config, run_config, mesh)
   if jax.process_index() == 0:
     if resume:
-      _say_if_data_changed(out / "run_config.json", stamp)
+      _say_if_data_changed(out / "run_config.json", stamp, run_config.eval)
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
