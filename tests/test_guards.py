@@ -6,9 +6,11 @@ import functools
 import json
 import math
 import struct
+import time
 
 import jax
 import numpy as np
+from jax._src import profiler as jax_profiler
 import pytest
 from flax import nnx
 from tensorboardX.proto import event_pb2
@@ -23,9 +25,12 @@ from relaymoe_jax.errors import UserError
 from test_train import tiny_run
 from train.config import DataConfig, EvalConfig, MeshConfig
 from train.data.batches import make_sources
+from train.evaluate import Evaluator
 from train.loop import _say_if_data_changed, run
 from train.mesh import build_mesh
 from train.metrics import MetricsLog
+from train.profile import window as window_module
+from train.profile.window import StepProfiler, Window, check_window
 from train.step import BAD_BIAS, non_finite_state
 
 
@@ -179,3 +184,61 @@ def test_segment_ids_or_positions_of_the_wrong_shape_are_named(segments, positio
     model(tokens[0])
   with pytest.raises(UserError, match=r"^positions_BS is float32; it must be integers"):
     model(tokens, None, np.zeros((8, 16), np.float32))
+
+
+def test_a_profile_directory_that_cannot_be_made_is_named_before_anything_compiles(tmp_path):
+  (tmp_path / "profile").write_text("a file")
+  with pytest.raises(UserError, match=rf"^--profile writes its trace to {tmp_path}/profile/x, and {tmp_path}/profile "
+                                      "is not a directory$"):
+    check_window(Window(1, 2), 0, 4, tmp_path / "profile" / "x")
+  check_window(Window(1, 2), 0, 4, tmp_path / "new" / "profile")
+  assert not (tmp_path / "new").exists()  # nothing made before the run trains
+
+
+def test_a_trace_that_does_not_write_is_a_warning_and_the_profilers_time_is_not_the_steps(tmp_path, monkeypatch,
+                                                                                          capsys):
+  """JAX's FAILED_PRECONDITION at the window's end ended the run as a bug; the analysis of the trace and an
+  evaluation inside the window were counted as step time."""
+  state = jax.numpy.ones(4)
+  (tmp_path / "file").write_text("not a directory")
+  profiler = StepProfiler(Window(0, 1), tmp_path / "file", None, 1, 1.0, None)
+  profiler.before_step(0, state)
+  assert profiler.after_step(0, state) >= 0 and profiler.result is None
+  assert "relaymoe-train: warning: the profile of steps 0-0 is not written to" in capsys.readouterr().err
+  jax_profiler._profile_state.reset()  # JAX keeps the session whose export failed as running; the run ends with it
+  walls = []
+  monkeypatch.setattr(StepProfiler, "summarize", lambda self, wall_s: walls.append(wall_s) or time.sleep(0.3) or {})
+  monkeypatch.setattr(window_module, "render", lambda result, title: title)
+  profiler = StepProfiler(Window(2, 2), tmp_path / "profile", None, 1, 1.0, None)
+  assert profiler.before_step(1, state) == 0 and profiler.after_step(2, state) == 0
+  profiler.before_step(2, state)
+  time.sleep(0.2)
+  profiler.exclude(0.2)  # an evaluation inside the window
+  assert profiler.after_step(3, state) >= 0.3  # what the loop takes out of the step's time
+  assert 0 <= walls[0] < 0.1 and (tmp_path / "profile" / "parts.json").exists()
+
+
+@pytest.mark.slow  # trains four steps of its own (a compile, ~20 s on 2 cores); CI's second step runs it
+def test_the_profiles_analysis_and_an_eval_inside_its_window_are_not_step_time(tmp_path, monkeypatch):
+  """The last profiled step's tokens_per_s read 195 against ~9500 (the trace's analysis counted as its time); an
+  evaluation inside the window made the profile's steps longer."""
+  requires_devices(8)
+  summarize = StepProfiler.summarize
+  walls = []
+
+  def slow_summarize(self, wall_s):
+    walls.append(wall_s)
+    time.sleep(2.0)
+    return summarize(self, wall_s)
+
+  monkeypatch.setattr(StepProfiler, "summarize", slow_summarize)
+  def slow_eval(self, params):
+    time.sleep(2.0)
+    return dict(eval_loss=1.0, eval_s=2.0)
+
+  monkeypatch.setattr(Evaluator, "__call__", slow_eval)
+  config = tiny_run(tmp_path, steps=4, checkpoint_every=0, eval=EvalConfig(every=1, batches=1))
+  history = run(config, profile=Window(1, 2))
+  rates = [r["tokens_per_s"] for r in history]
+  assert min(rates[1:3]) > 0.2 * max(rates), rates
+  assert walls[0] < 1.5, walls

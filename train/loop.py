@@ -90,7 +90,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
     raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
   if profile:
-    check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
+    check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps,
+                 pathlib.Path(run_config.out_dir) / "profile")
   resolved = resolve_run(run_config)  # the model config and mesh, once
   model_config = resolved.model_config
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
@@ -163,12 +164,12 @@ def _train(run_config, resume, checkpoints, stop, profile):
 
   try:
     for step in range(start, run_config.steps):
-      if profiler:
-        profiler.before_step(step, state)
+      if profiler:  # its own work is no step's time
+        window_start += profiler.before_step(step, state)
       state, metrics = compiled(state, global_batch(batch(source, step, b, s, run_config.data.masks_documents()),
                                                     mesh, run_config.runtime))
       if profiler:
-        profiler.after_step(step, state)
+        window_start += profiler.after_step(step, state)
       checkpoints.poll()
       if pending:
         settle(*pending)
@@ -188,6 +189,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
       if evaluator and eval_due(run_config, step) and (values := evaluator(state.params)):  # None: a signal came
         window_start += values["eval_s"]  # neither the throughput nor the step time counts it
+        if profiler:
+          profiler.exclude(values["eval_s"])
         log.write(dict(step=step, **values))
       if signum == FAILED:
         checkpoints.finish()
