@@ -242,3 +242,19 @@ def test_the_profiles_analysis_and_an_eval_inside_its_window_are_not_step_time(t
   rates = [r["tokens_per_s"] for r in history]
   assert min(rates[1:3]) > 0.2 * max(rates), rates
   assert walls[0] < 1.5, walls
+
+
+def test_eval_path_that_is_the_training_data_or_a_stray_eval_token_dtype_is_refused(tmp_path):
+  """What a user tries next: the training file as its own held-out data (a held-out loss over trained data), and
+  eval.token_dtype where it means nothing."""
+  np.arange(1, 500, dtype=np.uint16).tofile(tmp_path / "train.bin")
+  data = DataConfig(kind="tokens", path=str(tmp_path / "train.bin"))
+  with pytest.raises(UserError, match=r"^eval.path='.*train.bin' is data.path, which the run trains on"):
+    make_sources(data, EvalConfig(path=str(tmp_path / ".." / tmp_path.name / "train.bin")), 512, 16)
+  with pytest.raises(UserError, match=r"^eval.token_dtype='uint32' is eval.path's token width, and no eval.path"):
+    EvalConfig(token_dtype="uint32")
+  (tmp_path / "a.txt").write_text("some text " * 20)
+  (tmp_path / "b.txt").write_text("other text " * 20)
+  with pytest.raises(UserError, match=r"^eval.token_dtype='uint32' is for data.kind=tokens, not 'text'"):
+    make_sources(DataConfig(kind="text", path=str(tmp_path / "a.txt")),
+                 EvalConfig(path=str(tmp_path / "b.txt"), token_dtype="uint32"), 512, 16)

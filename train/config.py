@@ -83,6 +83,8 @@ class EvalConfig:
   def __post_init__(self):
     if self.token_dtype not in ("", "uint16", "uint32"):
       raise UserError(f"eval.token_dtype={self.token_dtype!r} must be uint16 or uint32 (or empty: data.token_dtype)")
+    if self.token_dtype and not self.path:
+      raise UserError(f"eval.token_dtype={self.token_dtype!r} is eval.path's token width, and no eval.path is given")
     if not 0 <= self.fraction < 1:
       raise UserError(f"eval.fraction={self.fraction} must be in [0, 1)")
     if self.path and self.fraction:

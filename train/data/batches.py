@@ -213,6 +213,7 @@ def _sources(data_config, eval_config, vocab_size, seq_len, held_out):
     if data_config.kind == "synthetic":
       raise UserError(f"eval.path={eval_config.path!r} is for data read from a file; the synthetic language's "
                       "held-out batches are fresh samples of it: leave eval.path out (or set data.kind)")
+    _check_eval_path(data_config, eval_config)
     return (make_source(data_config, vocab_size, seq_len),
             make_source(dataclasses.replace(data_config, path=eval_config.path,
                                             token_dtype=eval_config.token_dtype or data_config.token_dtype),
@@ -232,6 +233,19 @@ def _sources(data_config, eval_config, vocab_size, seq_len, held_out):
   cut = _document_boundary(whole.tokens, int(whole.tokens.size * (1 - eval_config.fraction)), whole.eos)
   return (whole.part(0, cut, seq_len, f"{whole.where} less eval.fraction"),
           whole.part(cut, whole.num_tokens, seq_len, f"eval.fraction={eval_config.fraction} of {whole.where}"))
+
+
+def _check_eval_path(data_config, eval_config):
+  """eval.path is another file than data.path, and eval.token_dtype is for token files."""
+  if eval_config.token_dtype and data_config.kind != "tokens":
+    raise UserError(f"eval.token_dtype={eval_config.token_dtype!r} is for data.kind=tokens, not {data_config.kind!r}")
+  try:
+    same = os.path.samefile(eval_config.path, data_config.path)
+  except OSError:  # one is missing: make_source names it
+    return
+  if same:
+    raise UserError(f"eval.path={eval_config.path!r} is data.path, which the run trains on: give held-out data, "
+                    "or eval.fraction to split some off")
 
 
 def _document_boundary(tokens, cut, eos, scan=1 << 20):
