@@ -2,7 +2,6 @@
 that cannot work is one line before anything compiles, each number is the right one (issue 49)."""
 
 import dataclasses
-import functools
 import json
 import math
 import struct
@@ -22,6 +21,7 @@ from models.qwen35.config import load_config as load_qwen35_config
 from models.router_state import non_finite_biases
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
+from test_evaluate import _setup as evaluate_setup
 from test_train import tiny_run
 from train.config import DataConfig, EvalConfig, MeshConfig
 from train.data.batches import make_sources
@@ -135,35 +135,32 @@ def test_resuming_with_a_larger_eval_fraction_says_it_evaluates_on_trained_data(
     assert capsys.readouterr().out == ""
 
 
-@functools.lru_cache(maxsize=None)
 def _tiny_model():
-  requires_devices(8)
-  mesh = build_mesh(MeshConfig(data=2, expert=4))
-  model = qwen3.create_sharded(load_config("tiny", num_hidden_layers=1), mesh,
-                               runtime=RuntimeConfig(dtype="float32", dispatcher="dense"))
-  graphdef, state = nnx.split(model)
-  return model, jax.jit(lambda t, s, p: nnx.merge(graphdef, state)(t, s, p))
+  """test_evaluate's one-layer model (float32, dense) and its jitted logits(state, tokens [8, 32], segment ids):
+  compiled once for both files."""
+  _, graphdef, state, _, logits = evaluate_setup()
+  return nnx.merge(graphdef, state), lambda tokens, segments: logits(state, tokens, segments)
 
 
 def test_a_segment_id_that_comes_back_is_another_document():
   """[0…, 1…, 0…]: the third span attended to the first; a change of id starts a document."""
   _, logits = _tiny_model()
-  tokens = np.tile(np.arange(1, 17, dtype=np.int32), (8, 1))
-  back = np.repeat(np.array([0, 1, 0, 0], np.int32), 4)[None].repeat(8, 0)
-  apart = np.repeat(np.array([0, 1, 2, 2], np.int32), 4)[None].repeat(8, 0)
-  np.testing.assert_array_equal(np.asarray(logits(tokens, back, None)), np.asarray(logits(tokens, apart, None)))
+  tokens = np.tile(np.arange(1, 33, dtype=np.int32), (8, 1))
+  back = np.repeat(np.array([0, 1, 0, 0], np.int32), 8)[None].repeat(8, 0)
+  apart = np.repeat(np.array([0, 1, 2, 2], np.int32), 8)[None].repeat(8, 0)
+  np.testing.assert_array_equal(np.asarray(logits(tokens, back)), np.asarray(logits(tokens, apart)))
 
 
 def test_token_ids_outside_the_vocabulary_are_named_or_nan():
   """They gave finite logits (indexing clamps): eagerly a UserError naming the first; traced, NaN."""
   model, logits = _tiny_model()
-  tokens = np.ones((8, 16), np.int32)
+  tokens = np.ones((8, 32), np.int32)
   vocab = model.config.vocab_size
   for bad in (vocab, 500, -1):
     tokens[2, 5] = bad
     with pytest.raises(UserError, match=rf"^tokens_BS\[2, 5\] = {bad} is not a token id in \[0, {vocab}\)$"):
       model(tokens)
-    out = np.asarray(logits(tokens, None, None))
+    out = np.asarray(logits(tokens, None))
     assert np.isnan(out[2, 5:]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()  # its row's after it
 
 
@@ -174,12 +171,12 @@ def test_token_ids_outside_the_vocabulary_are_named_or_nan():
 ])
 def test_segment_ids_or_positions_of_the_wrong_shape_are_named(segments, positions, message):
   """They failed deep in RoPE with a TypeError or IndexError naming neither."""
-  model, logits = _tiny_model()
+  model, _ = _tiny_model()
   tokens = np.ones((8, 16), np.int32)
   segments = None if segments is None else np.zeros(segments, np.int32)
   positions = None if positions is None else np.zeros(positions, np.int32)
   with pytest.raises(UserError, match=message):
-    logits(tokens, segments, positions)
+    nnx.jit(lambda m, t, s, p: m(t, s, p))(model, tokens, segments, positions)
   with pytest.raises(UserError, match=r"^tokens_BS has shape \(16,\); the model takes \[batch, sequence\]"):
     model(tokens[0])
   with pytest.raises(UserError, match=r"^positions_BS is float32; it must be integers"):
