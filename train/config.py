@@ -71,8 +71,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
   """The held-out loss: `batches` batches of the run's shape, the same each time, every `every` steps and after the
-  last (0: only after the last, and only where `path` or `fraction` gives held-out data). From `path` (a file of data.path's kind), else the last `fraction` of the training data split
-  off at a document boundary (the training run never sees it), else, for the synthetic language, fresh samples."""
+  last (0: only after the last, and only where `path` or `fraction` gives held-out data). From `path` (a file of
+  data.path's kind), else the last `fraction` of the training data split off at a document boundary (the training
+  run never sees it), else, for the synthetic language, fresh samples."""
 
   path: str = ""
   token_dtype: str = ""  # `path`'s, for data.kind=tokens: uint16 or uint32; "" = data.token_dtype

@@ -36,8 +36,8 @@ class Evaluator:
   """`evaluator(params)` → {eval_loss, eval_ppl, eval_tokens, eval_s}, or None where `interrupted()` (the loop's
   `StopRequest.requested`) turned true between batches. The forward is compiled once, at construction, for the
   step's micro-batch (`micro_batches` pieces of each held-out batch, so an eval needs no more memory than the step);
-  the batches are read from their source at each evaluation (held on the devices, `eval.batches` of them grew
-  without bound)."""
+  the batches are read from their source at each evaluation (all held from the start, a large `eval.batches` filled
+  memory before the first step)."""
 
   def __init__(self, run_config, source, graphdef, params, mesh, interrupted=lambda: None):
     self.run_config, self.source, self.mesh, self.interrupted = run_config, source, mesh, interrupted

@@ -73,12 +73,12 @@ def non_finite_state(values):
   """What of a step's metrics on the host (`values`, `BAD_BIAS` popped) is not finite, a phrase; "" when all is:
   the loss, the norms, a router bias, or a load statistic (a NaN bias leaves the loss finite while it kills experts)."""
   bias = int(values.pop(BAD_BIAS, 0))
-  numbers = {k: v for k, v in values.items() if k in NON_FINITE_LOAD}
-  bad_load = [k for k, v in numbers.items() if not all(math.isfinite(x) for x in v)]
-  if all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")) and not bias and not bad_load:
+  bad = [f"{k} {values[k]}" for k in NON_FINITE_LOAD if not all(math.isfinite(x) for x in values.get(k, ()))]
+  bad += [f"{bias} router-bias entries not finite"] if bias else []
+  if all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")) and not bad:
     return ""
   return ", ".join([f"loss {values['loss']}, gradient norm {values['grad_norm']}, update norm {values['update_norm']}",
-                    *([f"{bias} router-bias entries not finite"] if bias else []), *(f"{k} {values[k]}" for k in bad_load)])
+                    *bad])
 
 
 def bad_token_ids(tokens_BS1, model_config):
