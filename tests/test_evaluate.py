@@ -148,6 +148,7 @@ def test_eval_forward_is_sized_like_the_steps_micro_batch():
   config = dataclasses.replace(_run_config(True), batch_size=2 * B, micro_batches=2)
   evaluator = Evaluator(config, source, graphdef, state, mesh)
   assert {leaf.shape[0] for leaf in jax.tree.leaves(evaluator.compiled.args_info[0][1])} == {B}
+  assert source.batch_name == "held-out batch"  # a file cut under the run names the batch, not a step
   _check(evaluator(state), loss, counted)
 
 

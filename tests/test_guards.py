@@ -4,6 +4,7 @@ that cannot work is one line before anything compiles, each number is the right 
 import dataclasses
 import json
 import math
+import os
 import struct
 import time
 
@@ -24,7 +25,7 @@ from relaymoe_jax.errors import UserError
 from test_evaluate import _setup as evaluate_setup
 from test_train import tiny_run
 from train.config import DataConfig, EvalConfig, MeshConfig
-from train.data.batches import make_sources
+from train.data.batches import DataChanged, make_sources
 from train.evaluate import Evaluator
 from train.loop import _say_if_data_changed, run
 from train.mesh import build_mesh
@@ -255,3 +256,14 @@ def test_eval_path_that_is_the_training_data_or_a_stray_eval_token_dtype_is_refu
   with pytest.raises(UserError, match=r"^eval.token_dtype='uint32' is for data.kind=tokens, not 'text'"):
     make_sources(DataConfig(kind="text", path=str(tmp_path / "a.txt")),
                  EvalConfig(path=str(tmp_path / "b.txt"), token_dtype="uint32"), 512, 16)
+
+
+def test_a_held_out_file_that_shrinks_names_the_held_out_batch_not_a_step(tmp_path):
+  """What a user meets next: the eval file cut under the run read "step 1" for held-out batch 1."""
+  np.arange(1, 400, dtype=np.uint16).tofile(tmp_path / "eval.bin")
+  source = make_sources(DataConfig(kind="tokens", path=str(tmp_path / "eval.bin")), EvalConfig(), 512, 16,
+                        held_out=False)[0]
+  source.batch_name = "held-out batch"  # as the Evaluator names its source's (test_evaluate checks it does)
+  os.truncate(tmp_path / "eval.bin", 100)
+  with pytest.raises(DataChanged, match=rf"^held-out batch 1: data.path '{tmp_path}/eval.bin' shrank under the run"):
+    source.batch(1, 4, 16)

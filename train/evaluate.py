@@ -41,6 +41,7 @@ class Evaluator:
 
   def __init__(self, run_config, source, graphdef, params, mesh, interrupted=lambda: None):
     self.run_config, self.source, self.mesh, self.interrupted = run_config, source, mesh, interrupted
+    source.batch_name = "held-out batch"
     self.compiled = jax.jit(lambda p, x: _sums(graphdef, p, x)).lower(params, next(self._pieces(0))).compile()
 
   def _pieces(self, i):

@@ -59,6 +59,7 @@ class TokenWindows:
   """Consecutive windows of S+1 tokens (stride S) over a 1-D token array, batch after batch, wrapping around."""
 
   entropy_floor = None
+  batch_name = "step"  # what a batch's number is, in errors: a training step, or a held-out batch
 
   def __init__(self, tokens, vocab_size, seq_len=None, where="the data", eos=None):
     """`seq_len` given: a source too short for one window is refused now, not at the first step."""
@@ -117,7 +118,7 @@ class TokenFile(TokenWindows):
     with open(self.path, "rb") as f:
       read = [os.pread(f.fileno(), nbytes, (self.first + int(s)) * self.dtype.itemsize) for s in starts]
     if any(len(r) < nbytes for r in read):
-      raise DataChanged(f"step {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
+      raise DataChanged(f"{self.batch_name} {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
                         f"({self.num_tokens * self.dtype.itemsize} when it started); stopping")
     return [np.frombuffer(r, self.dtype) for r in read]
 
