@@ -57,5 +57,11 @@ def update_router_biases(params, previous, counts_YE, config, runtime):
   return jax.tree_util.tree_map_with_path(update, params, previous)
 
 
+def non_finite_biases(params):
+  """How many router-bias entries of `params` (a pure dict) are not finite, an int32 scalar (0 without a bias)."""
+  biases = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if _is_bias(path)]
+  return sum((jnp.sum(~jnp.isfinite(b), dtype=jnp.int32) for b in biases), jnp.int32(0))
+
+
 def _is_bias(path):
   return getattr(path[-1], "key", None) == BIAS

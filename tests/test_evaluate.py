@@ -26,8 +26,9 @@ from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
-from train.data.batches import SyntheticLanguage, TokenWindows
-from train.evaluate import Evaluator, evaluate_only
+from relaymoe_jax.errors import UserError
+from train.data.batches import SyntheticLanguage, TokenWindows, make_sources
+from train.evaluate import Evaluator, check_held_out, eval_due, evaluate_only
 from train.run import resolve_run
 from train.mesh import build_mesh
 from train.metrics import MetricsLog
@@ -56,15 +57,15 @@ def _run_config(documents, runtime=F32):
                    data=data, eval=EvalConfig(every=1, batches=BATCHES), tensorboard=False)
 
 
-def _oracle(source, documents):
-  """(Σ weight · optax cross-entropy / Σ weight, Σ weight) over the eval batches, from full logits."""
+def _oracle(source, documents, b=B):
+  """(Σ weight · optax cross-entropy / Σ weight, Σ weight) over the eval batches of `b` rows, from full logits."""
   _, _, state, _, logits = _setup()
   total, count = 0.0, 0.0
   for i in range(BATCHES):
-    tokens = source.batch(i, B, S)
+    tokens = source.batch(i, b, S)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     if documents:
-      segments = np.concatenate([np.zeros((B, 1), np.int32), np.cumsum(inputs[:, :-1] == EOS, axis=1)], axis=1)
+      segments = np.concatenate([np.zeros((b, 1), np.int32), np.cumsum(inputs[:, :-1] == EOS, axis=1)], axis=1)
       weights = (inputs != EOS).astype(np.float32)  # the target after an EOS starts another document
     else:
       segments, weights = None, np.ones(inputs.shape, np.float32)
@@ -137,3 +138,60 @@ def test_eval_rows_reach_tensorboard_and_metrics_jsonl(tmp_path):
       data = data[12 + length + 4:]
       scalars |= {(event.step, v.tag): v.simple_value for v in event.summary.value}
   assert {(4, k): pytest.approx(v) for k, v in values.items()} == scalars
+
+
+def test_eval_forward_is_sized_like_the_steps_micro_batch():
+  """With `micro_batches` > 1 the forward is compiled for the micro-batch (an eval needs no more memory than the
+  step) and the loss is the same: every piece of every held-out batch counted once."""
+  mesh, graphdef, state, tokens, _ = _setup()
+  source = TokenWindows(tokens, CONFIG.vocab_size, S, eos=EOS)
+  loss, counted = _oracle(source, documents=True, b=2 * B)
+  config = dataclasses.replace(_run_config(True), batch_size=2 * B, micro_batches=2)
+  evaluator = Evaluator(config, source, graphdef, state, mesh)
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(evaluator.compiled.args_info[0][1])} == {B}
+  assert source.batch_name == "held-out batch"  # a file cut under the run names the batch, not a step
+  _check(evaluator(state), loss, counted)
+
+
+def test_a_huge_eval_batches_builds_nothing_ahead_and_a_signal_ends_the_eval():
+  """eval.batches=1e12 of the synthetic language: the batches are read at each eval, not all held before the first
+  step; a signal between batches ends the eval with no result (the loop then saves and stops)."""
+  mesh, graphdef, state, _, _ = _setup()
+  config = dataclasses.replace(_run_config(False), eval=EvalConfig(every=1, batches=10**12))
+  source = SyntheticLanguage(CONFIG.vocab_size, 4, seed=0, held_out=True)
+  asked = []
+  evaluator = Evaluator(config, source, graphdef, state, mesh, interrupted=lambda: len(asked) > 2 or asked.append(1))
+  assert evaluator(state) is None and len(asked) == 3
+
+
+@pytest.mark.parametrize("every,steps,due", [(0, 5, [4]), (2, 5, [1, 3, 4]), (10, 5, [4])])
+def test_eval_every_0_with_held_out_data_takes_the_loss_after_the_last_step(every, steps, due):
+  config = dataclasses.replace(_run_config(True), steps=steps, eval=EvalConfig(every=every, path="held_out.bin"))
+  assert [step for step in range(steps) if eval_due(config, step)] == due
+
+
+def test_held_out_data_too_short_for_eval_batches_is_named():
+  """A 200-token file for eval.batches=3 of 8 × 32: it was read round again (4011 tokens from 200)."""
+  source = TokenWindows(np.arange(200) % CONFIG.vocab_size, CONFIG.vocab_size, S, where="eval.path 'short.bin'")
+  with pytest.raises(UserError, match=r"^eval.batches=3 × batch_size=8 needs 24 windows of seq_len\+1=33 tokens, "
+                                      r"and eval.path 'short.bin' holds 6 \(200 tokens\): not one batch of "
+                                      r"batch_size=8: give more held-out data$"):
+    check_held_out(_run_config(True), source)
+  with pytest.raises(UserError, match=r"holds 6 \(200 tokens\): at most eval.batches=1$"):
+    check_held_out(dataclasses.replace(_run_config(True), batch_size=4), source)
+  check_held_out(dataclasses.replace(_run_config(True), batch_size=2), source)
+
+
+def test_held_out_data_with_no_counted_target_is_named():
+  """Only EOS ids: every target follows an EOS, none counts; the loss read 0.0 and the perplexity 1.0."""
+  source = TokenWindows(np.full(4 * B * S * BATCHES, EOS), CONFIG.vocab_size, S, where="eval.path 'eos.bin'",
+                        eos=EOS)
+  with pytest.raises(UserError, match=r"^eval.path 'eos.bin': no target of the 3 held-out batches is in its "
+                                      r"input's document \(every input is the EOS id 0, data.eos_token\)"):
+    check_held_out(_run_config(True), source)
+
+
+def test_eval_path_with_the_synthetic_language_is_refused(tmp_path):
+  """It was ignored: the "held-out" loss was the synthetic language's, and a missing file went unnoticed."""
+  with pytest.raises(UserError, match=r"^eval.path='nowhere.bin' is for data read from a file; the synthetic"):
+    make_sources(DataConfig(), EvalConfig(path="nowhere.bin"), CONFIG.vocab_size, S)

@@ -71,15 +71,22 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
   """The held-out loss: `batches` batches of the run's shape, the same each time, every `every` steps and after the
-  last (0: never). From `path` (a file of data.path's kind), else the last `fraction` of the training data split
-  off at a document boundary (the training run never sees it), else, for the synthetic language, fresh samples."""
+  last (0: only after the last, and only where `path` or `fraction` gives held-out data). From `path` (a file of
+  data.path's kind), else the last `fraction` of the training data split off at a document boundary (the training
+  run never sees it), else, for the synthetic language, fresh samples."""
 
   path: str = ""  # a held-out file of data.kind's kind
+  token_dtype: str = ""  # `path`'s, for data.kind=tokens: uint16 or uint32; "" = data.token_dtype
   fraction: float = 0.0  # else: this last fraction of the training data, split off at a document end
-  every: int = 0  # steps between held-out losses (and after the last step); 0: never
+  # steps between held-out losses, and after the last step; 0: only after the last, where path or fraction is given
+  every: int = 0
   batches: int = 4  # held-out batches of the run's shape, the same ones each time
 
   def __post_init__(self):
+    if self.token_dtype not in ("", "uint16", "uint32"):
+      raise UserError(f"eval.token_dtype={self.token_dtype!r} must be uint16 or uint32 (or empty: data.token_dtype)")
+    if self.token_dtype and not self.path:
+      raise UserError(f"eval.token_dtype={self.token_dtype!r} is eval.path's token width, and no eval.path is given")
     if not 0 <= self.fraction < 1:
       raise UserError(f"eval.fraction={self.fraction} must be in [0, 1)")
     if self.path and self.fraction:

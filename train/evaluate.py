@@ -16,7 +16,7 @@ from flax import nnx
 
 from models import families
 from relaymoe_jax.errors import UserError
-from train.data.batches import batch, make_sources, next_token_inputs
+from train.data.batches import TokenWindows, batch, make_sources, next_token_inputs
 from train.mesh import check_batch_split, global_batch
 from train.metrics import log_on_process_0
 from train.sources import initial_params
@@ -33,24 +33,73 @@ def _sums(graphdef, params, batch):
 
 
 class Evaluator:
-  """`evaluator(params)` → {eval_loss, eval_ppl, eval_tokens, eval_s}: the held-out batches are placed on the mesh
-  once and the forward compiled once, at construction."""
+  """`evaluator(params)` → {eval_loss, eval_ppl, eval_tokens, eval_s}, or None where `interrupted()` (the loop's
+  `StopRequest.requested`) turned true between batches. The forward is compiled once, at construction, for the
+  step's micro-batch (`micro_batches` pieces of each held-out batch, so an eval needs no more memory than the step);
+  the batches are read from their source at each evaluation (all held from the start, a large `eval.batches` filled
+  memory before the first step)."""
 
-  def __init__(self, run_config, source, graphdef, params, mesh):
-    b, s = run_config.batch_size, run_config.seq_len
-    masks = run_config.data.masks_documents()
-    self.batches = [global_batch(batch(source, i, b, s, masks), mesh, run_config.runtime)
-                    for i in range(run_config.eval.batches)]
-    self.compiled = jax.jit(lambda p, x: _sums(graphdef, p, x)).lower(params, self.batches[0]).compile()
+  def __init__(self, run_config, source, graphdef, params, mesh, interrupted=lambda: None):
+    self.run_config, self.source, self.mesh, self.interrupted = run_config, source, mesh, interrupted
+    source.batch_name = "held-out batch"
+    self.compiled = jax.jit(lambda p, x: _sums(graphdef, p, x)).lower(params, next(self._pieces(0))).compile()
+
+  def _pieces(self, i):
+    """Held-out batch `i` as the step's micro-batches, each placed on the mesh."""
+    c = self.run_config
+    host = batch(self.source, i, c.batch_size, c.seq_len, c.data.masks_documents())
+    rows = c.micro_batch_size
+    for start in range(0, c.batch_size, rows):
+      yield global_batch({k: v[start:start + rows] for k, v in host.items()}, self.mesh, c.runtime)
 
   def __call__(self, params):
     jax.block_until_ready(params)  # the training step before is not the evaluation's time
     start = time.perf_counter()
-    sums = [self.compiled(params, x) for x in self.batches]
+    sums = []
+    for i in range(self.run_config.eval.batches):
+      if self.interrupted():
+        return None
+      sums += [self.compiled(params, x) for x in self._pieces(i)]
     loss_sum, tokens = (sum(float(np.asarray(v.addressable_data(0))) for v in column) for column in zip(*sums))
     loss = loss_sum / max(tokens, 1.0)
     return dict(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=int(tokens),
                 eval_s=time.perf_counter() - start)
+
+
+def eval_due(run_config, step):
+  """Whether the held-out loss is taken after `step`: every `eval.every` steps, and after the last."""
+  every = run_config.eval.every
+  return bool(every and (step + 1) % every == 0) or step + 1 == run_config.steps
+
+
+def held_out_change(before, now):
+  """A warning where a resumed run's `eval.fraction` (`now`) holds out data that the steps before it trained on
+  (`before`: the run's stored `eval`, a dict); else None."""
+  fraction = (before or {}).get("fraction") or 0.0
+  if not isinstance(fraction, (int, float)) or now.fraction <= fraction:
+    return None
+  return (f"warning: eval.fraction={now.fraction} holds out data that the steps before this resume trained on (they "
+          f"ran with eval.fraction={fraction}): the held-out loss is partly over data the model has seen, and the "
+          "training batches from here on are cut from less data")
+
+
+def check_held_out(run_config, source):
+  """Held-out data that gives `eval.batches` distinct batches with targets to count, else a UserError: a short file
+  was read round again, and one with no counted target reported a loss of 0."""
+  b, s, n = run_config.batch_size, run_config.seq_len, run_config.eval.batches
+  if isinstance(source, TokenWindows):
+    windows = (source.num_tokens - 1) // s
+    if n * b > windows:
+      fits = (f"at most eval.batches={windows // b}" if windows >= b else
+              f"not one batch of batch_size={b}: give more held-out data")
+      raise UserError(f"eval.batches={n} × batch_size={b} needs {n * b} windows of seq_len+1={s + 1} tokens, and "
+                      f"{source.where} holds {windows} ({source.num_tokens} tokens): {fits}")
+  if not run_config.data.masks_documents() or source.eos is None:
+    return
+  counted = sum(int(next_token_inputs(batch(source, i, b, s, True))[2]["weights_BS"].sum()) for i in range(n))
+  if not counted:
+    raise UserError(f"{source.where}: no target of the {n} held-out batches is in its input's document (every "
+                    f"input is the EOS id {source.eos}, data.eos_token), so there is no held-out loss to take")
 
 
 def evaluate_only(run):
@@ -63,6 +112,7 @@ def evaluate_only(run):
   run_config = dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, remat="none"))
   _, source = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len,
                            held_out=True)
+  check_held_out(run_config, source)
   check_batch_split(run_config, mesh)
   params, origin = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)
   graphdef = families.abstract(model_config, mesh, runtime=run_config.runtime)[0]

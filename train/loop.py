@@ -3,7 +3,6 @@
 
 import dataclasses
 import json
-import math
 import pathlib
 import time
 
@@ -19,7 +18,7 @@ from relaymoe_jax.errors import MissingInput
 from train.rundir.checkpoints import Checkpoints
 from train.config import RunConfig
 from train.data.batches import DataChanged, batch, data_change, data_stamp, make_sources
-from train.evaluate import Evaluator
+from train.evaluate import Evaluator, check_held_out, eval_due, held_out_change
 from train.mesh import global_batch, on_mesh, token_shards
 from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_process_0, peak_memory_bytes, peak_tflops,
                            size)
@@ -29,7 +28,7 @@ from train.rundir.directory import RunDirectory
 from train.run import resolve_run, resolve_step
 from train.sources import initial_params
 from train.profile.step_parts import full_op_names
-from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token
+from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token, non_finite_state
 
 
 def dispatch_plan(model_config, run_config, mesh):
@@ -101,15 +100,17 @@ def _last_good(checkpoints):
           f"There is no checkpoint yet in {checkpoints.directory}")
 
 
-def _say_if_data_changed(run_config_path, stamp):
-  """A resume says so when the data file is not the one the run's checkpoints were trained on (size, time)."""
+def _say_if_data_changed(run_config_path, stamp, eval_config):
+  """A resume says so when the data file is not the one the run's checkpoints were trained on (size, time), and when
+  it holds out data they were trained on (a larger `eval.fraction`)."""
   try:
-    before = json.loads(run_config_path.read_text()).get("data_file")
+    stored = json.loads(run_config_path.read_text())
+    before, eval_before = stored.get("data_file"), stored.get("run", {}).get("eval")
   except (OSError, ValueError, AttributeError):
     return
-  change = data_change(before, stamp)
-  if change:
-    print(change, flush=True)
+  for change in (data_change(before, stamp), held_out_change(eval_before, eval_config)):
+    if change:
+      print(change, flush=True)
 
 
 def _say_how_documents_are_read(data, source):
@@ -124,10 +125,13 @@ def _train(run_config, resume, checkpoints, stop, profile):
   if resume and checkpoints.latest_step() is None:  # before anything compiles
     raise MissingInput(f"--resume: no checkpoint in {checkpoints.directory}")
   if profile:
-    check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps)
+    check_window(profile, checkpoints.latest_step() if resume else 0, run_config.steps,
+                 pathlib.Path(run_config.out_dir) / "profile")
   resolved = resolve_run(run_config)  # the model config and mesh, once
   model_config = resolved.model_config
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
+  if held_out:
+    check_held_out(run_config, held_out)
   stamp = data_stamp(run_config.data)
   with stop.at_once():  # a signal while the step is planned and compiled (minutes) stops the run there
     resolved = resolve_step(resolved, resume)
@@ -157,7 +161,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
   plan = dispatch_plan(model_config, run_config, mesh)
   if jax.process_index() == 0:
     if resume:
-      _say_if_data_changed(out / "run_config.json", stamp)
+      _say_if_data_changed(out / "run_config.json", stamp, run_config.eval)
     (out / "run_config.json").write_text(json.dumps(dict(
         run=dataclasses.asdict(run_config), model=dataclasses.asdict(model_config),
         mesh=dict(mesh.shape), devices=jax.device_count(), backend=jax.default_backend(), compile_s=compile_s,
@@ -167,7 +171,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
     print(dispatcher_line(runtime.dispatcher, plan), flush=True)
   moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
-  evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh)
+  evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh, stop.requested)
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history, last_eval = [], None
   pending = None  # (step, metrics of that step) still on device: read one step late
@@ -181,10 +185,8 @@ def _train(run_config, resume, checkpoints, stop, profile):
       raise DataChanged(f"step {step}: {bad_ids} token ids of its batch are outside the vocabulary "
                         f"(vocab_size={model_config.vocab_size}): data.path {run_config.data.path!r} changed under "
                         f"the run; stopping. {_last_good(checkpoints)}")
-    if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")):
-      raise FloatingPointError(
-          f"non-finite training state at step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}, "
-          f"update norm {values['update_norm']}; stopping. {_last_good(checkpoints)}")
+    if bad := non_finite_state(values):
+      raise FloatingPointError(f"non-finite training state at step {step}: {bad}; stopping. {_last_good(checkpoints)}")
     window_steps += 1
     if (step + 1) % run_config.log_every and step + 1 != run_config.steps:
       return
@@ -198,12 +200,12 @@ def _train(run_config, resume, checkpoints, stop, profile):
 
   try:
     for step in range(start, run_config.steps):
-      if profiler:
-        profiler.before_step(step, state)
+      if profiler:  # its own work is no step's time
+        window_start += profiler.before_step(step, state)
       state, metrics = compiled(state, global_batch(batch(source, step, b, s, run_config.data.masks_documents()),
                                                     mesh, run_config.runtime))
       if profiler:
-        profiler.after_step(step, state)
+        window_start += profiler.after_step(step, state)
       checkpoints.poll()
       if pending:
         settle(*pending)
@@ -221,9 +223,11 @@ def _train(run_config, resume, checkpoints, stop, profile):
         pending = None
       if saving:
         checkpoints.save(step + 1, state, {"next_batch": step + 1, "samples_seen": (step + 1) * b})
-      if evaluator and ((step + 1) % run_config.eval.every == 0 or step + 1 == run_config.steps):
-        values = last_eval = evaluator(state.params)
+      if evaluator and eval_due(run_config, step) and (values := evaluator(state.params)):  # None: a signal came
+        last_eval = values
         window_start += values["eval_s"]  # neither the throughput nor the step time counts it
+        if profiler:
+          profiler.exclude(values["eval_s"])
         log.write(dict(step=step, **values))
       if signum == FAILED:
         checkpoints.finish()

@@ -22,8 +22,8 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 # Per MoE layer lists (`train.step.expert_load_metrics`) and the TensorBoard scalar of their worst layer.
-WORST_LAYER = {"expert_load_max": max, "expert_load_min": min, "expert_load_cv": max, "dead_experts": sum,
-               "router_entropy": min, "dropped_pairs": sum}
+WORST_LAYER = {"expert_load_max": max, "expert_load_min": min, "expert_load_cv": max, "dead_experts": max,
+               "router_entropy": min, "dropped_pairs": max}
 HISTOGRAM_ONLY = ("expert_tokens",)  # [Y, E]: TensorBoard histograms, one per layer; not in metrics.jsonl
 
 

@@ -1,5 +1,6 @@
 """The optimizer, the loss and the one jitted `train_step(state, batch) -> (state, metrics)`; model FLOPs."""
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import relaymoe_jax as rm
 from models import families
 from models.qwen3 import model as qwen3
-from models.router_state import update_router_biases
+from models.router_state import non_finite_biases, update_router_biases
 from train.accumulate import accumulated_value_and_grad
 from train.data.batches import next_token_inputs
 
@@ -82,6 +83,21 @@ def loss_fn(params, graphdef, batch, model_config, fraction_E=None, ce_weight=No
 
 
 BAD_IDS = "token_ids_out_of_range"  # a metric the loop checks and does not log
+BAD_BIAS = "router_bias_not_finite"  # the same: router-bias entries that are not finite after the step
+# The load statistics (per MoE layer) that a non-finite router makes non-finite.
+NON_FINITE_LOAD = ("expert_load_max", "expert_load_min", "expert_load_cv", "router_entropy")
+
+
+def non_finite_state(values):
+  """What of a step's metrics on the host (`values`, `BAD_BIAS` popped) is not finite, a phrase; "" when all is:
+  the loss, the norms, a router bias, or a load statistic (a NaN bias leaves the loss finite while it kills experts)."""
+  bias = int(values.pop(BAD_BIAS, 0))
+  bad = [f"{k} {values[k]}" for k in NON_FINITE_LOAD if not all(math.isfinite(x) for x in values.get(k, ()))]
+  bad += [f"{bias} router-bias entries not finite"] if bias else []
+  if all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "update_norm")) and not bad:
+    return ""
+  return ", ".join([f"loss {values['loss']}, gradient norm {values['grad_norm']}, update norm {values['update_norm']}",
+                    *bad])
 
 
 def bad_token_ids(tokens_BS1, model_config):
@@ -122,6 +138,8 @@ def make_train_step(graphdef, optimizer, schedule, model_config, runtime=None, m
         params = update_router_biases(params, state.params, moe.router.expert_counts_E, model_config, runtime)
       metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
                      learning_rate=schedule(state.step), **parts, **expert_load_metrics(moe))
+      if model_config.router_bias_update_rate:
+        metrics[BAD_BIAS] = non_finite_biases(params)
     metrics[BAD_IDS] = bad_token_ids(batch["tokens"], model_config)
     return TrainState(params, opt_state, state.step + 1), metrics
 

@@ -61,8 +61,8 @@ class Qwen3MoEConfig:
     if not 1 <= self.num_experts_per_tok <= self.num_experts:
       raise UserError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                       f"{self.num_experts}]")
-    if not self.router_bias_update_rate >= 0:  # NaN fails too
-      raise UserError(f"router_bias_update_rate={self.router_bias_update_rate} must be ≥ 0 (0: off)")
+    if not 0 <= self.router_bias_update_rate < float("inf"):  # NaN fails too
+      raise UserError(f"router_bias_update_rate={self.router_bias_update_rate} must be finite and ≥ 0 (0: off)")
     if self.head_dim % 2:
       raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
 

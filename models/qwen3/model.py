@@ -25,7 +25,7 @@ from models.attention.causal import attention
 from models.attention.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.attention.cudnn import tile_kernels
-from models.attention.documents import segment_positions
+from models.inputs import checked_inputs, embed
 from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import Qwen3MoEConfig, layer_groups
 from models.runtime import RuntimeConfig
@@ -341,12 +341,11 @@ class Qwen3MoE(Layer):
     """(final normed hidden states [B, S, D] in the order the model holds the sequence (`_in_held_order`), router
     losses and statistics of the MoE layers: `models.router_state.router_losses`).
 
-    `segment_ids_BS`: packed documents (int, non-decreasing along each row); a token attends only to its own
-    document's (`models.attention.causal`). `positions_BS`: RoPE's positions; None: each token's place in its document
-    (`segment_positions`), or in the row without segment ids."""
-    x = self.cast(self.embed_VD)[self._placed(tokens_BS)]
-    if positions_BS is None and segment_ids_BS is not None:
-      positions_BS = segment_positions(segment_ids_BS)
+    `segment_ids_BS`: packed documents (int, a change of id starts one: `models.inputs`); a token attends only to its
+    own document's (`models.attention.causal`). `positions_BS`: RoPE's positions; None: each token's place in its
+    document (`models.inputs`), or in the row without segment ids."""
+    segment_ids_BS, positions_BS = checked_inputs(tokens_BS, segment_ids_BS, positions_BS, self.config.vocab_size)
+    x = embed(self.cast(self.embed_VD), self._placed(tokens_BS))
     if positions_BS is None:
       b, s = tokens_BS.shape
       positions_BS = self._placed(jnp.arange(s, dtype=jnp.int32)[None], (b, s))

@@ -83,8 +83,8 @@ class Qwen35MoEConfig:
                       f"{self.num_experts}]")
     if self.shared_expert_intermediate_size < 0:
       raise UserError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be ≥ 0")
-    if not self.router_bias_update_rate >= 0:
-      raise UserError(f"router_bias_update_rate={self.router_bias_update_rate} must be ≥ 0 (0: off)")
+    if not 0 <= self.router_bias_update_rate < float("inf"):
+      raise UserError(f"router_bias_update_rate={self.router_bias_update_rate} must be finite and ≥ 0 (0: off)")
     if self.param_dtype not in FLOAT_DTYPES:
       raise UserError(f"param_dtype={self.param_dtype!r} must be one of {list(FLOAT_DTYPES)}")
 

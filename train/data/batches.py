@@ -59,6 +59,7 @@ class TokenWindows:
   """Consecutive windows of S+1 tokens (stride S) over a 1-D token array, batch after batch, wrapping around."""
 
   entropy_floor = None
+  batch_name = "step"  # what a batch's number is, in errors: a training step, or a held-out batch
 
   def __init__(self, tokens, vocab_size, seq_len=None, where="the data", eos=None):
     """`seq_len` given: a source too short for one window is refused now, not at the first step."""
@@ -97,15 +98,19 @@ class TokenFile(TokenWindows):
   """Windows of a token file, read from it at each batch: a file that shrinks under the run is an error naming it
   and the step, where a read of a memory map past the file's new end kills the process (SIGBUS)."""
 
-  def __init__(self, path, dtype, vocab_size, seq_len, where, eos=None):
+  def __init__(self, path, dtype, vocab_size, seq_len, where, eos=None, dtype_key=None):
+    """`dtype_key`: the key that set `dtype` (None: the trainer chose it), named where the ids read wrong."""
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0:
       raise UserError(f"{where} is empty")
     if size % itemsize:
       raise UserError(f"{where} holds {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each): "
-                      "is data.token_dtype right?")
-    # `tokens` (memory-mapped) are the ids as they were at the start, each checked once here; batches read the file.
-    super().__init__(np.memmap(path, dtype=dtype, mode="r"), vocab_size, seq_len, where, eos)
+                      f"is {dtype_key or 'data.token_dtype'} right?")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if dtype_key:
+      _check_width(tokens, where, dtype_key)
+    # `tokens` are the ids as they were at the start, each checked once here; batches read the file.
+    super().__init__(tokens, vocab_size, seq_len, where, eos)
     self.path, self.dtype = path, np.dtype(dtype)
 
   def windows(self, starts, length, step):
@@ -113,9 +118,21 @@ class TokenFile(TokenWindows):
     with open(self.path, "rb") as f:
       read = [os.pread(f.fileno(), nbytes, (self.first + int(s)) * self.dtype.itemsize) for s in starts]
     if any(len(r) < nbytes for r in read):
-      raise DataChanged(f"step {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
+      raise DataChanged(f"{self.batch_name} {step}: {self.where} shrank under the run to {self.path.stat().st_size} bytes "
                         f"({self.num_tokens * self.dtype.itemsize} when it started); stopping")
     return [np.frombuffer(r, self.dtype) for r in read]
+
+
+WIDTH_SAMPLE = 1 << 16  # uint16 tokens looked at for the high halves of uint32 ids
+
+
+def _check_width(tokens, where, dtype_key):
+  """uint32 ids read as uint16 are each an id and a 0 (their high half): refused, where every second of the first
+  uint16s is 0 and the others are not all 0."""
+  sample = np.asarray(tokens[:WIDTH_SAMPLE])
+  if tokens.dtype == np.uint16 and sample.size >= 64 and not sample[1::2].any() and sample[0::2].any():
+    raise UserError(f"{where} reads as uint32 ids: every second of its first {sample.size} uint16 tokens is 0; set "
+                    f"{dtype_key}=uint32")
 
 
 def data_stamp(data_config):
@@ -177,12 +194,31 @@ def batch(source, step, batch_size, seq_len, masks_documents):
 
 def make_sources(data_config, eval_config, vocab_size, seq_len, held_out=False):
   """(training source, held-out source or None: see `train.config.EvalConfig`); `held_out`: wanted even when
-  `eval.every` is 0."""
+  `eval.every` is 0. Training data whose every target is left out of the loss (only EOS ids) is refused."""
+  train, held_out = _sources(data_config, eval_config, vocab_size, seq_len, held_out)
+  if data_config.masks_documents() and train.eos is not None and _only(train.tokens, train.eos):
+    raise UserError(f"{train.where} holds only the EOS id {train.eos} (data.eos_token): no target is in its input's "
+                    "document, so there is nothing to train on (the loss read 0)")
+  return train, held_out
+
+
+def _only(tokens, value, scan=1 << 20):
+  """Whether every one of `tokens` is `value` (read a chunk at a time, stopping at the first other)."""
+  return all(np.all(np.asarray(tokens[start:start + scan]) == value) for start in range(0, tokens.size, scan))
+
+
+def _sources(data_config, eval_config, vocab_size, seq_len, held_out):
   if not (held_out or eval_config.every or eval_config.path or eval_config.fraction):
     return make_source(data_config, vocab_size, seq_len), None
   if eval_config.path:
+    if data_config.kind == "synthetic":
+      raise UserError(f"eval.path={eval_config.path!r} is for data read from a file; the synthetic language's "
+                      "held-out batches are fresh samples of it: leave eval.path out (or set data.kind)")
+    _check_eval_path(data_config, eval_config)
     return (make_source(data_config, vocab_size, seq_len),
-            make_source(dataclasses.replace(data_config, path=eval_config.path), vocab_size, seq_len, "eval.path"))
+            make_source(dataclasses.replace(data_config, path=eval_config.path,
+                                            token_dtype=eval_config.token_dtype or data_config.token_dtype),
+                        vocab_size, seq_len, "eval.path"))
   if data_config.kind == "synthetic":
     if eval_config.fraction:
       raise UserError("eval.fraction splits documents off the data; the synthetic language has none (its held-out "
@@ -198,6 +234,19 @@ def make_sources(data_config, eval_config, vocab_size, seq_len, held_out=False):
   cut = _document_boundary(whole.tokens, int(whole.tokens.size * (1 - eval_config.fraction)), whole.eos)
   return (whole.part(0, cut, seq_len, f"{whole.where} less eval.fraction"),
           whole.part(cut, whole.num_tokens, seq_len, f"eval.fraction={eval_config.fraction} of {whole.where}"))
+
+
+def _check_eval_path(data_config, eval_config):
+  """eval.path is another file than data.path, and eval.token_dtype is for token files."""
+  if eval_config.token_dtype and data_config.kind != "tokens":
+    raise UserError(f"eval.token_dtype={eval_config.token_dtype!r} is for data.kind=tokens, not {data_config.kind!r}")
+  try:
+    same = os.path.samefile(eval_config.path, data_config.path)
+  except OSError:  # one is missing: make_source names it
+    return
+  if same:
+    raise UserError(f"eval.path={eval_config.path!r} is data.path, which the run trains on: give held-out data, "
+                    "or eval.fraction to split some off")
 
 
 def _document_boundary(tokens, cut, eos, scan=1 << 20):
@@ -225,7 +274,8 @@ def make_source(data_config, vocab_size, seq_len=None, key="data.path"):
     eos = data_config.eos_token if isinstance(data_config.eos_token, int) else None
     if eos is not None and eos >= vocab_size:
       raise UserError(f"data.eos_token={eos} is out of range for model.vocab_size={vocab_size}")
-    return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where, eos)
+    dtype_key = "eval.token_dtype" if key == "eval.path" else "data.token_dtype"
+    return TokenFile(path, data_config.token_dtype, vocab_size, seq_len, where, eos, dtype_key)
   if data_config.tokenizer:
     return _tokenized_text(data_config, vocab_size, seq_len)
   if vocab_size < 256:
