@@ -92,9 +92,10 @@ class MetricsLog:
         self.tensorboard.write(record["step"], self._scalars(record), self._histograms(record))
       except OSError as err:
         self._tensorboard_off(err)
-    if "loss" not in record:  # a held-out loss: a line of its own, no step time
+    if "eval_loss" in record:  # a held-out loss: a line of its own
       self.bar.write(f"after step {record['step'] + 1}: held-out loss {record['eval_loss']:.4f} (perplexity "
                      f"{record['eval_ppl']:.2f} over {record['eval_tokens']} tokens, {record['eval_s']:.1f} s)")
+    if "loss" not in record:  # no step time
       return
     postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                    tflops_dev=f"{record['tflops_per_device']:.3g}",
