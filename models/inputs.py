@@ -3,6 +3,8 @@ RoPE, naming neither), ids in the vocabulary (eagerly where their values are kno
 as NaN, where indexing clamped it to a finite row), and segment ids as document numbers (a change of id starts a
 document: `[0, 1, 0]` had the third span attend to the first)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,15 @@ def checked_inputs(tokens_BS, segment_ids_BS, positions_BS, vocab_size):
     return None, positions_BS
   segment_ids_BS = jnp.cumsum(document_starts(segment_ids_BS), axis=1, dtype=jnp.int32) - 1
   return segment_ids_BS, segment_positions(segment_ids_BS) if positions_BS is None else positions_BS
+
+
+def check_rows(rows, mesh, axes):
+  """The batch's rows split evenly over the mesh `axes` that split a batch (JAX's own error named neither)."""
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if rows % shards:
+    over = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    raise UserError(f"tokens_BS has {rows} rows, which do not split over the mesh's {shards} shards of rows ({over}): "
+                    f"give a multiple of {shards}")
 
 
 def _check_ids(tokens_BS, vocab_size):

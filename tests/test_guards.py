@@ -182,6 +182,9 @@ def test_segment_ids_or_positions_of_the_wrong_shape_are_named(segments, positio
     model(tokens[0])
   with pytest.raises(UserError, match=r"^positions_BS is float32; it must be integers"):
     model(tokens, None, np.zeros((8, 16), np.float32))
+  with pytest.raises(UserError, match=r"^tokens_BS has 2 rows, which do not split over the mesh's 8 shards of rows "
+                                      r"\(data=2 × expert=4\): give a multiple of 8$"):  # JAX's IndivisibleError
+    model(tokens[:2])
 
 
 def test_a_profile_directory_that_cannot_be_made_is_named_before_anything_compiles(tmp_path):

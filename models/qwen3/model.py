@@ -25,7 +25,7 @@ from models.attention.causal import attention
 from models.attention.context_parallel import (check_sequence, context_attention, flatten_tokens, splits_sequences,
                                      to_held_order, to_sequence_order, unflatten_tokens)
 from models.attention.cudnn import tile_kernels
-from models.inputs import checked_inputs, embed
+from models.inputs import check_rows, checked_inputs, embed
 from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import Qwen3MoEConfig, layer_groups
 from models.runtime import RuntimeConfig
@@ -345,6 +345,7 @@ class Qwen3MoE(Layer):
     own document's (`models.attention.causal`). `positions_BS`: RoPE's positions; None: each token's place in its
     document (`models.inputs`), or in the row without segment ids."""
     segment_ids_BS, positions_BS = checked_inputs(tokens_BS, segment_ids_BS, positions_BS, self.config.vocab_size)
+    check_rows(tokens_BS.shape[0], self.mesh, batch_axes(self.runtime))
     x = embed(self.cast(self.embed_VD), self._placed(tokens_BS))
     if positions_BS is None:
       b, s = tokens_BS.shape
