@@ -7,6 +7,7 @@ No communication of its own: the checks call `moe_ffn` on your mesh, once with y
 
     inputs = rmt.random_moe_inputs(0, tokens=64, d_model=16, d_ff=24, num_experts=16, top_k=4)
     rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=1e-5, **inputs)
+    rmt.assert_block_matches_dense_oracle(my_block, x_BSD, rtol=1e-5)   # a whole block: router and all
 
 Closeness is the max-norm relative error max|a − b| / max|b| of each array, not an elementwise tolerance: a
 gradient's small entries carry the absolute rounding of its large ones. Shape letters: see relaymoe_jax.
@@ -14,18 +15,18 @@ gradient's small entries carry the absolute rounding of its large ones. Shape le
 
 import dataclasses
 import functools
+import re
+import sys
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from relaymoe_jax import activations
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
-from relaymoe_jax.moe import moe_ffn
+from relaymoe_jax.moe import every_call_dispatched_by, moe_ffn
 
 MOE_ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")  # what `moe_ffn` is differentiable in
@@ -87,13 +88,31 @@ def assert_trees_close(actual, expected, rtol):
   Raises:
     AssertionError: naming every leaf over rtol and its error.
   """
-  chex.assert_trees_all_equal_shapes(actual, expected)
-  chex.assert_tree_all_finite(actual)
+  actual_named, expected_named = named_leaves(actual), named_leaves(expected)
+  assert list(actual_named) == list(expected_named), (
+      f"different arrays: {_listed(actual_named)} against {_listed(expected_named)}")
+  shapes = {n: (jnp.shape(a), jnp.shape(expected_named[n])) for n, a in actual_named.items()}
+  wrong = {n: f"{a} against {b}" for n, (a, b) in shapes.items() if a != b}
+  assert not wrong, f"shapes differ: {wrong}"
+  non_finite = [n for n, a in actual_named.items() if not np.all(np.isfinite(np.asarray(a, np.float32)))]
+  assert not non_finite, f"not finite: {non_finite}"
   errors = relative_error(actual, expected)
-  over = {jax.tree_util.keystr(path): err for path, err in jax.tree_util.tree_leaves_with_path(errors) if err > rtol}
+  over = {n: err for n, err in named_leaves(errors).items() if err > rtol}
   assert not over, "relative error over rtol={:.3g}: {}".format(
       rtol, ", ".join(f"{name} {err:.3g}" for name, err in over.items()))
   return errors
+
+
+def named_leaves(tree):
+  """{readable name: leaf}: a leaf's path joined by dots ("params.w_gate_EDF", "layers.0.moe.router_DE"), without
+  the positions that lead to the first name (a `jax.tree_util.Partial`'s "0.0." before its weights' names)."""
+  return {_readable(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _readable(path):
+  keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  named = [i for i, k in enumerate(keys) if not k.isdigit()]
+  return ".".join(keys[named[0] if named else 0:])
 
 
 def cotangent(shape, seed=0):
@@ -139,9 +158,30 @@ def values_and_grads(inputs, *, mesh=None, dispatcher=None, block=None, expert_a
   """
   axes = (expert_axis, tuple(token_axes) if token_axes else None, tensor_axis)
   c_TD = cotangent(inputs["x_TD"].shape, cotangent_seed)
+  if block is not None and not _hashable(block):
+    block = _ByIdentity(block)
   return _values_and_grads({name: inputs[name] for name in MOE_ARGS}, c_TD, block=block, mesh=mesh,
                            dispatcher=dispatcher, axes=axes, activation=activation,
                            options=tuple(sorted(options.items())))
+
+
+def _hashable(block):
+  try:
+    hash(block)
+  except TypeError:
+    return False
+  return True
+
+
+class _ByIdentity:
+  """An unhashable block (an Equinox bound method holds arrays) as a static argument of the jitted check: hashed
+  by identity, so it is compiled once per object."""
+
+  def __init__(self, block):
+    self.block = block
+
+  def __call__(self, *args):
+    return self.block(*args)
 
 
 def dense_oracle(inputs, **kwargs):
@@ -214,13 +254,14 @@ def layer_values_and_grads(layer, x, *, variables=None, dispatcher=None, float32
   if float32:
     changes["dtype"] = jnp.float32
     x = x.astype(jnp.float32)
-  if isinstance(layer, nn.Module):
+  if _is_linen(layer):
     module, params = layer.clone(**changes), variables["params"]
     apply = module.apply
 
     def run(params, x):
       return apply({"params": params}, x)[0]
   else:
+    from flax import nnx  # only for an NNX layer: the other checks need no Flax
     graphdef, params = nnx.split(layer, nnx.Param)
     config = dataclasses.replace(layer.config, **changes)
 
@@ -241,15 +282,24 @@ def layer_values_and_grads(layer, x, *, variables=None, dispatcher=None, float32
     return y, {"x": dx, "params": d_params}
 
   y, grads = values_and_grads(params, x)
-  if not isinstance(layer, nn.Module):  # plain arrays by name, as Linen's, not nnx.Param-wrapped
+  if not _is_linen(layer):  # plain arrays by name, as Linen's, not nnx.Param-wrapped
     grads["params"] = nnx.to_pure_dict(grads["params"])
   return y, grads
+
+
+def _is_linen(layer):
+  linen = sys.modules.get("flax.linen")  # a Linen module exists only where Flax was imported
+  return linen is not None and isinstance(layer, linen.Module)
+
+
+def _is_flax_layer(layer):
+  return _is_linen(layer) or type(layer).__module__ == "relaymoe_jax.layers.nnx"
 
 
 def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotangent_seed=0):
   """Asserts that a MoE layer (`rm.linen.MoE` with its `variables`, or `rm.nnx.MoE`) equals itself under the
   dense float32 oracle dispatcher, in values and in the gradients w.r.t. x and every parameter (router, experts,
-  shared expert).
+  shared expert). Any other block (an Equinox module, a function) goes to `assert_block_matches_dense_oracle`.
 
   Returns:
     the relative error of each array ("y", "x", and "params" by name).
@@ -258,9 +308,11 @@ def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotange
     AssertionError: naming each array over rtol, a shape (y must have x's), a dtype (y: the layer's compute
       dtype, else x's) or a non-finite value.
   """
+  if not _is_flax_layer(layer):
+    return assert_block_matches_dense_oracle(layer, x, rtol=rtol, cotangent_seed=cotangent_seed)
   kw = dict(variables=variables, cotangent_seed=cotangent_seed)
   y, grads = layer_values_and_grads(layer, x, **kw)
-  config = layer.block_config() if isinstance(layer, nn.Module) else layer.config
+  config = layer.block_config() if _is_linen(layer) else layer.config
   chex.assert_shape(y, x.shape)
   chex.assert_type(y, config.dtype or x.dtype)
   y_ref, grads_ref = layer_values_and_grads(layer, x, dispatcher="dense", float32=True, **kw)
@@ -272,11 +324,80 @@ def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotange
     raise AssertionError(f"{e}; {where}") from None
 
 
+def block_values_and_grads(block, x, *, dispatcher=None, float32=False, cotangent_seed=0):
+  """A whole MoE block's output and the gradients of Σ y·c (c = `cotangent`) w.r.t. x and each of its parameters,
+  jitted.
+
+  Args:
+    block: any callable x -> y or (y, aux) that calls `moe_ffn` (router and all): a function, or a pytree whose
+      floating-point arrays are its parameters (an Equinox module, a `jax.tree_util.Partial` over your weights).
+    x: its input [..., D].
+    dispatcher: if given, every `moe_ffn` in it runs this instead of its own (options dropped).
+    float32: run on float32 copies of x and the parameters.
+
+  Returns:
+    (y, {"x": dx, "params": {name: gradient}}), parameters named by their path ("moe.w_gate_EDF").
+
+  Raises:
+    UserError: the block ran no `moe_ffn` while traced (none in it, or a `jit` inside it served a trace cached
+      before: then the oracle would not be the oracle; pass the block unjitted).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(block)
+  is_param = [isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
+  params = [a for a, p in zip(leaves, is_param) if p]
+  names = [name for (name, a), p in zip(named_leaves(block).items(), is_param) if p]
+  if float32:
+    params, x = [a.astype(jnp.float32) for a in params], x.astype(jnp.float32)
+  c = cotangent(x.shape, cotangent_seed)
+
+  def loss(params, x):
+    given = iter(params)
+    module = jax.tree_util.tree_unflatten(treedef, [next(given) if p else a for a, p in zip(leaves, is_param)])
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    return jnp.sum(y.astype(jnp.float32) * c), y
+
+  with every_call_dispatched_by(dispatcher) as calls:
+    (_, y), (d_params, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  if not calls:
+    raise UserError(f"{_short(block)} ran no moe_ffn while traced: none in it, or a jit inside it gave a trace "
+                    "cached before; pass the block without its jit")
+  return y, {"x": dx, "params": dict(zip(names, d_params))}
+
+
+def assert_block_matches_dense_oracle(block, x, *, rtol, cotangent_seed=0):
+  """Asserts that a whole MoE block of yours (any callable x -> y or (y, aux) calling `moe_ffn`, router and all:
+  an Equinox module, a function, a `jax.tree_util.Partial` over your weights, a `shard_map` around it) equals
+  itself with every `moe_ffn` in it run by the dense float32 oracle on float32 copies of x and its parameters, in
+  values and in the gradients w.r.t. x and every parameter (`block_values_and_grads`).
+
+  Returns:
+    the relative error of each array ("y", "x", and "params" by name).
+
+  Raises:
+    AssertionError: naming each array over rtol (with the experts and token rows that differ), a shape (y must
+      have x's) or a non-finite value, in one line.
+  """
+  y, grads = block_values_and_grads(block, x, cotangent_seed=cotangent_seed)
+  assert jnp.shape(y) == jnp.shape(x), f"y {jnp.shape(y)} does not have x's shape {jnp.shape(x)}"
+  y_ref, grads_ref = block_values_and_grads(block, x, dispatcher="dense", float32=True, cotangent_seed=cotangent_seed)
+  actual, expected = dict(y=y, **grads), dict(y=y_ref, **grads_ref)
+  try:
+    return assert_trees_close(actual, expected, rtol)
+  except AssertionError as e:
+    raise AssertionError(f"{e}; {where_they_differ(_layer_named(actual), _layer_named(expected), rtol)}") from None
+
+
+def _short(block, most=80):
+  text = repr(block).replace("\n", " ")
+  return text if len(text) <= most else text[:most] + "..."
+
+
 def _layer_named(outputs):
   """A layer's output and gradients under `where_they_differ`'s names: token rows of y and dx, experts of the
   expert weights' gradients."""
   d = outputs["y"].shape[-1]
-  experts = {f"d{name}": g for name, g in outputs["params"].items() if name.startswith("w_") and name[-3] == "E"}
+  experts = {f"d{name}": g for name, g in outputs["params"].items() if re.search(r"(^|\.)w_\w*_E[A-Z]*$", name)}
   return dict(y_TD=outputs["y"].reshape(-1, d), dx_TD=outputs["x"].reshape(-1, d), **experts)
 
 
@@ -289,8 +410,11 @@ def where_they_differ(actual, expected, rtol):
     if not b.size:
       continue
     bad = np.max(np.abs(a - b).reshape(a.shape[0], -1), axis=1) > rtol * max(float(np.max(np.abs(b))), 1e-30)
-    (experts if name.startswith("dw_") and name != "dw_TK" else rows).update(np.flatnonzero(bad).tolist())
+    (experts if _EXPERTS_FIRST.search(name) else rows).update(np.flatnonzero(bad).tolist())
   return "experts that differ: {}; token rows that differ: {}".format(_listed(experts), _listed(rows))
+
+
+_EXPERTS_FIRST = re.compile(r"(^d|\.)w_\w*_E[A-Z]*$")  # "dw_gate_EDF", "dlayers.0.w_down_EFD": experts in dim 0
 
 
 def _listed(ids, most=16):

@@ -1,0 +1,200 @@
+"""A whole MoE block of the user's own (router and experts, no Flax) against the dense float32 oracle through
+`relaymoe_jax.testing.assert_block_matches_dense_oracle`, values and every gradient (1e-5), under every dispatcher:
+an Equinox module, a plain-JAX function over a dict of weights, and the block inside the user's own `shard_map`
+(over every axis, the arrays per device; and over the data axis only).
+
+Mutants killed (each made by hand, one at a time, in the default run):
+  - the ring inside a shard_map takes E as the local L (`ExpertLayout.num_experts` returns w.shape[0]):
+    `test_a_block_inside_a_users_shard_map_is_the_oracle[*-every axis]` ("top_k=2 ... E=2" / wrong experts)
+  - `backward_outputs` skips its psum of the weight gradients over the data axes: the same tests, `dw_*` named
+  - `moe_ffn` accepts replicated expert weights (its `placement.check_experts_split` call removed):
+    `test_replicated_expert_weights_are_refused`
+  - `check_per_device` skips the expert axis: `test_replicated_expert_weights_are_refused`
+  - the oracle check runs the block's own dispatcher for the oracle (`every_call_dispatched_by` ignores it):
+    `test_the_block_check_catches_a_block_that_drops_routing_weights`
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import relaymoe_jax as rm
+import relaymoe_jax.testing as rmt
+from conftest import mesh_of
+
+RTOL = 1e-5
+D, F, E, K = 8, 12, 8, 2
+DATA_EXPERT = (rm.DATA, rm.EXPERT)
+DISPATCHERS = sorted(rm.DISPATCHERS)
+
+
+def _weights(seed):
+  rng = np.random.default_rng(seed)
+  shapes = dict(router_DE=(D, E), w_gate_EDF=(E, D, F), w_up_EDF=(E, D, F), w_down_EFD=(E, F, D))
+  return {n: jnp.asarray(rng.normal(size=s) / np.sqrt(s[-2]), jnp.float32) for n, s in shapes.items()}
+
+
+def _tokens(seed, shape=(4, 8, D)):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+class EquinoxMoE(eqx.Module):
+  """How an Equinox user writes the block: weights as fields, `rm.route` + `rm.moe_ffn` in `__call__`."""
+
+  router_DE: jax.Array
+  w_gate_EDF: jax.Array
+  w_up_EDF: jax.Array
+  w_down_EFD: jax.Array
+  mesh: jax.sharding.Mesh = eqx.field(static=True)
+  dispatcher: str = eqx.field(static=True)
+
+  def __call__(self, x_BSD):
+    idx, w, aux = rm.route(x_BSD, self.router_DE, top_k=K)
+    y = rm.moe_ffn(x_BSD, idx, w, self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD, mesh=self.mesh,
+                   dispatcher=self.dispatcher)
+    return y, aux
+
+
+def plain_block(weights, x_TD, *, dispatcher, mesh=None, drop_routing_weights=False):
+  idx_TK, w_TK, _ = rm.route(x_TD, weights["router_DE"], top_k=K)
+  if drop_routing_weights:
+    w_TK = jnp.ones_like(w_TK)
+  return rm.moe_ffn(x_TD, idx_TK, w_TK, weights["w_gate_EDF"], weights["w_up_EDF"], weights["w_down_EFD"],
+                    mesh=mesh, dispatcher=dispatcher)
+
+
+def _equinox_block(dispatcher):
+  return EquinoxMoE(**_weights(0), mesh=mesh_of((2, 4), DATA_EXPERT), dispatcher=dispatcher)
+
+
+def _plain_block(dispatcher):
+  per_device = functools.partial(plain_block, dispatcher=dispatcher, mesh=mesh_of((2, 4), DATA_EXPERT))
+  return jax.tree_util.Partial(per_device, _weights(2))
+
+
+def _in_shard_map(manual, dispatcher):
+  """The plain block inside the user's shard_map: over every axis (tokens over both, each device its E/4
+  experts) or over the data axis only (the experts whole, the block splitting them itself)."""
+  tokens = P(DATA_EXPERT) if manual == "every axis" else P(rm.DATA)
+  experts = P(rm.EXPERT) if manual == "every axis" else P()
+  specs = dict(router_DE=P(), w_gate_EDF=experts, w_up_EDF=experts, w_down_EFD=experts)
+  names = {rm.DATA, rm.EXPERT} if manual == "every axis" else {rm.DATA}
+  per_device = jax.shard_map(functools.partial(plain_block, dispatcher=dispatcher), mesh=mesh_of((2, 4), DATA_EXPERT),
+                             in_specs=(specs, tokens), out_specs=tokens, axis_names=names)
+  return jax.tree_util.Partial(per_device, _weights(4))
+
+
+BLOCKS = {"equinox": (_equinox_block, (4, 8, D)), "plain": (_plain_block, (32, D)),
+          "shard_map over every axis": (functools.partial(_in_shard_map, "every axis"), (32, D)),
+          "shard_map over data": (functools.partial(_in_shard_map, "data axis"), (32, D))}
+
+
+@functools.cache
+def _oracle(kind):
+  """The kind's oracle, once for every dispatcher: its block with each moe_ffn run by "dense", in float32."""
+  make, shape = BLOCKS[kind]
+  y, grads = rmt.block_values_and_grads(make("ring_expert"), _tokens(1, shape), dispatcher="dense", float32=True)
+  return dict(y=y, **grads)
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_a_users_block_is_the_oracle_under_every_dispatcher(kind, dispatcher):
+  """Values and the gradients of x, the router and every expert weight, within 1e-5 of the dense float32 oracle."""
+  make, shape = BLOCKS[kind]
+  y, grads = rmt.block_values_and_grads(make(dispatcher), _tokens(1, shape))
+  errors = rmt.assert_trees_close(dict(y=y, **grads), _oracle(kind), RTOL)
+  assert set(errors["params"]) == {"router_DE", "w_gate_EDF", "w_up_EDF", "w_down_EFD"}, errors
+
+
+@pytest.mark.parametrize("kind", ["the oracle runs every moe_ffn", "a jit inside serves a cached trace"])
+def test_the_block_check_catches_a_broken_dispatcher_and_a_cached_trace(kind):
+  """The whole-block check names the swapped experts of a broken dispatcher in one short line, and refuses a
+  block whose inner jit hides its moe_ffn (the oracle would be the block itself)."""
+  if kind == "the oracle runs every moe_ffn":
+    block = _plain_block(SwappedExperts())
+    with pytest.raises(AssertionError, match=r"^relative error over rtol=1e-05: .*params\.w_down_EFD .*experts that "
+                                             r"differ: \[2, 5\]; token rows that differ: \[\d"):
+      rmt.assert_block_matches_dense_oracle(block, _tokens(1, (32, D)), rtol=RTOL)
+    return
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  jitted = jax.jit(functools.partial(plain_block, dispatcher="ring_expert", mesh=mesh))
+  jitted(_weights(2), _tokens(1, (32, D)))  # traced once, before the check
+  with pytest.raises(ValueError, match=r"^Partial\(.*ran no moe_ffn while traced: .*pass the block without its jit$"):
+    rmt.assert_block_matches_dense_oracle(jax.tree_util.Partial(jitted, _weights(2)), _tokens(1, (32, D)), rtol=RTOL)
+
+
+class SwappedExperts:
+  """A dispatcher with a bug: experts 2 and 5 swapped in the weights it computes with."""
+
+  def __call__(self, x_TD, idx_TK, w_TK, *weights, layout):
+    perm = jnp.array([0, 1, 5, 3, 4, 2, 6, 7])
+    return rm.Dense()(x_TD, idx_TK, w_TK, *(w[perm] for w in weights), layout=layout)
+
+
+class EquinoxExperts(eqx.Module):
+  """Expert weights as fields; `ffn` has `moe_ffn`'s positional signature (a bound method holds arrays, so it is
+  not hashable)."""
+
+  mesh: jax.sharding.Mesh = eqx.field(static=True)
+
+  def ffn(self, *arrays):
+    return rm.moe_ffn(*arrays, mesh=self.mesh, dispatcher="ring_expert")
+
+
+def test_an_equinox_bound_method_is_a_block_of_the_function_form():
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  inputs = rmt.random_moe_inputs(0, tokens=32, d_model=D, d_ff=F, num_experts=E, top_k=K)
+  errors = rmt.assert_matches_dense_oracle(EquinoxExperts(mesh).ffn, mesh=mesh, rtol=RTOL, **inputs)
+  assert max(errors.values()) <= RTOL
+
+
+def test_replicated_expert_weights_are_refused():
+  """Every device holding every expert is refused, naming the array and the placement to give: a concrete array
+  on the mesh, a traced one on Explicit axes, and one replicated over the expert axis of the user's shard_map."""
+  mesh = mesh_of((2, 4), DATA_EXPERT, explicit=True)
+  inputs = rmt.random_moe_inputs(0, tokens=32, d_model=D, d_ff=F, num_experts=E, top_k=K)
+  replicated = {n: jax.device_put(a, NamedSharding(mesh, P())) for n, a in inputs.items()}
+  message = r"^w_gate_EDF \(8, 8, 12\) is not split over expert axis 'expert' \(its sharding: P\(.*\)\): every device"
+  with pytest.raises(ValueError, match=message):
+    rm.moe_ffn(*replicated.values(), mesh=mesh)
+  with pytest.raises(ValueError, match=message):
+    jax.jit(lambda *a: rm.moe_ffn(*a, mesh=mesh))(*replicated.values())
+  tokens, experts = P(DATA_EXPERT), P()
+  in_shard_map = jax.shard_map(lambda *a: rm.moe_ffn(*a), mesh=mesh_of((2, 4), DATA_EXPERT),
+                               in_specs=(tokens,) * 3 + (experts,) * 3, out_specs=tokens)
+  with pytest.raises(ValueError, match=r"^w_gate_EDF \(8, 8, 12\) is replicated over expert axis 'expert' inside your "
+                                       r"shard_map: every device holds all 8 experts. .*in_specs P\('expert'\)"):
+    jax.jit(in_shard_map)(*inputs.values())
+
+
+@pytest.mark.parametrize("case, message", [
+    ("tokens replicated over data", r"^x_TD is replicated over token axis 'data' inside your shard_map"),
+    ("tensor axis", r"^tensor_axis='data' is not supported inside a shard_map"),
+    ("another mesh", r"^mesh= has axes \{'expert': 8\}, but the enclosing shard_map runs on \{'data': 2, 'expert': 4\}"),
+])
+def test_what_cannot_run_inside_a_users_shard_map_is_one_line(case, message):
+  mesh = mesh_of((2, 4), DATA_EXPERT)
+  inputs = rmt.random_moe_inputs(0, tokens=32, d_model=D, d_ff=F, num_experts=E, top_k=K)
+  tokens = P(rm.EXPERT) if case == "tokens replicated over data" else P(DATA_EXPERT)
+  options = dict(tensor_axis=rm.DATA, token_axes=(rm.EXPERT,)) if case == "tensor axis" else {}
+  if case == "another mesh":
+    options = dict(mesh=mesh_of((8,), (rm.EXPERT,)))
+  block = jax.shard_map(lambda *a: rm.moe_ffn(*a, **options), mesh=mesh, in_specs=(tokens,) * 3 + (P(rm.EXPERT),) * 3,
+                        out_specs=tokens)
+  with pytest.raises(ValueError, match=message):
+    jax.jit(block)(*inputs.values())
+
+
+def test_vmap_over_the_expert_weights_gets_its_own_advice():
+  mesh = mesh_of((4,), (rm.EXPERT,))
+  inputs = rmt.random_moe_inputs(0, tokens=32, d_model=D, d_ff=F, num_experts=E, top_k=K)
+  members = {n: jnp.stack([a, a]) for n, a in inputs.items() if n.startswith("w_") and n != "w_TK"}
+  ensemble = jax.vmap(lambda w: rm.moe_ffn(inputs["x_TD"], inputs["idx_TK"], inputs["w_TK"], **w, mesh=mesh))
+  with pytest.raises(ValueError, match=r"cannot run under jax.vmap over its expert weights \(an ensemble of blocks\)"):
+    ensemble(members)
