@@ -294,7 +294,7 @@ def _shared_where_y_is(layout, x_TD, shared, gate_D1):
   padding."""
   spec = P() if padding_for(layout, x_TD.shape[0]) else layout.token_spec
   x_TD = layout.place(x_TD, spec)
-  if not layout.explicit:
+  if not layout.explicit or layout.manual_axes:  # (inside a caller's shard_map, the context's mesh is set)
     return shared_expert(x_TD, *shared, gate_D1)
   # Per device in a shard_map: as global math on an Explicit mesh outside `jax.set_mesh`, the weight gradients
   # (contractions over the sharded tokens) are refused as ambiguously sharded.
