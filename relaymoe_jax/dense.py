@@ -1,4 +1,6 @@
-"""Dense float32 oracle: every expert applied to every token, masked by the routing. No communication.
+"""Dense float32 oracle: every expert applied to every token, masked by the routing. No communication of its own
+on global arrays; per device (inside a caller's `shard_map`) it all-gathers the tokens over the token axes and the
+experts over the expert axis, and keeps its own rows.
 
 The reference each dispatcher is tested against; it gathers everything to every device, so it is for checking,
 not for training. Shape letters: see relaymoe_jax.

@@ -142,6 +142,11 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
   Zero tokens give an empty y_TD (and zero expert-weight gradients) with every dispatcher, which is not run. Not
   under `jax.vmap` (a ValueError says why): pass the batch as leading dims of x instead.
 
+  Inside your own `jax.shard_map` (leave out `mesh`): over every axis of the block, the arrays are this device's
+  (its tokens, its L = E/N experts) and the ring runs on your axes directly; over some of them (the data axes), the
+  block runs its own `shard_map` over the others. Tokens must vary over the token axes, expert weights over the
+  expert axis and not over the data axes; `tensor_axis` and `out_sharding` are refused there.
+
   Expert ids outside [0, E) raise a ValueError where idx_TK's values are known (an eager call, or a constant under
   `jit`); traced under `jit`, such a (token, expert) pair contributes nothing, with every dispatcher: no output,
   a zero gradient for its router weight, and no effect on any other pair.
