@@ -1,17 +1,8 @@
 """A whole MoE block of the user's own (router and experts, no Flax) against the dense float32 oracle through
-`relaymoe_jax.testing.assert_block_matches_dense_oracle`, values and every gradient (1e-5), under every dispatcher:
-an Equinox module, a plain-JAX function over a dict of weights, and the block inside the user's own `shard_map`
-(over every axis, the arrays per device; and over the data axis only).
-
-Mutants killed (each made by hand, one at a time, in the default run):
-  - the ring inside a shard_map takes E as the local L (`ExpertLayout.num_experts` returns w.shape[0]):
-    `test_a_block_inside_a_users_shard_map_is_the_oracle[*-every axis]` ("top_k=2 ... E=2" / wrong experts)
-  - `backward_outputs` skips its psum of the weight gradients over the data axes: the same tests, `dw_*` named
-  - `moe_ffn` accepts replicated expert weights (its `placement.check_experts_split` call removed):
-    `test_replicated_expert_weights_are_refused`
-  - `check_per_device` skips the expert axis: `test_replicated_expert_weights_are_refused`
-  - the oracle check runs the block's own dispatcher for the oracle (`every_call_dispatched_by` ignores it):
-    `test_the_block_check_catches_a_block_that_drops_routing_weights`
+`relaymoe_jax.testing`, values and every gradient (1e-5), under every dispatcher: an Equinox module, a plain-JAX
+function over a dict of weights (with a shared expert), and that function inside the user's own `shard_map` (over
+every axis, the arrays per device; and over the data axis only); the refusals of what cannot run. The mutants these
+tests kill are in tests/README.md ("block in a user's shard_map", "replicated expert weights", "whole-block check").
 """
 
 import functools
@@ -104,8 +95,14 @@ def _oracle(kind):
   return dict(y=y, **grads)
 
 
-CASES = [pytest.param(kind, d, id=f"{kind}-{d}", marks=pytest.mark.slow if kind == "plain" and d != "ring_expert" else ())
-         for kind in BLOCKS for d in DISPATCHERS]  # the plain block outside a shard_map: test_equivalence's ground
+def _slow(kind, dispatcher):
+  """The plain block outside a shard_map is test_equivalence's ground, and "auto" runs one of the rings, each here:
+  their cases run in CI's slow step (the default run stays under 10 minutes on 2 cores)."""
+  return (kind == "plain" and dispatcher != "ring_expert") or dispatcher == "auto"
+
+
+CASES = [pytest.param(kind, d, id=f"{kind}-{d}", marks=pytest.mark.slow if _slow(kind, d) else ())
+         for kind in BLOCKS for d in DISPATCHERS]
 
 
 @pytest.mark.parametrize("kind, dispatcher", CASES)
