@@ -193,9 +193,9 @@ class ExpertLayout:
     """y sharded as the caller asked (`out_sharding`, a PartitionSpec on this mesh or a NamedSharding), else as x
     came: resharded to `sharding` from `caller_sharding`; on an Auto mesh, where the type carries no sharding, tied
     to x's by XLA's sharding propagation (`shard_alike`). Per device, y is as x is."""
-    if out_sharding is not None and self.per_device:
-      raise UserError(f"out_sharding={out_sharding!r} has no meaning inside a shard_map over every axis of the "
-                      "block: y is this device's, as x is; set it in the shard_map's out_specs")
+    if out_sharding is not None and self.manual_axes:
+      raise UserError(f"out_sharding={out_sharding!r} is not taken inside a shard_map (axes {self.manual_axes} "
+                      "Manual): y comes back as x came; set the shard_map's out_specs")
     if out_sharding is not None:
       if isinstance(out_sharding, P):
         out_sharding = NamedSharding(self.mesh, out_sharding)

@@ -187,6 +187,7 @@ def test_replicated_expert_weights_are_refused():
     ("tokens replicated over data", r"^x_TD is replicated over token axis 'data' inside your shard_map"),
     ("tensor axis", r"^tensor_axis='data' is not supported inside a shard_map"),
     ("another mesh", r"^mesh= has axes \{'expert': 8\}, but the enclosing shard_map runs on \{'data': 2, 'expert': 4\}"),
+    ("out_sharding", r"^out_sharding=\S*'data'\S* is not taken inside a shard_map"),
 ])
 def test_what_cannot_run_inside_a_users_shard_map_is_one_line(case, message):
   mesh = mesh_of((2, 4), DATA_EXPERT)
@@ -195,6 +196,8 @@ def test_what_cannot_run_inside_a_users_shard_map_is_one_line(case, message):
   options = dict(tensor_axis=rm.DATA, token_axes=(rm.EXPERT,)) if case == "tensor axis" else {}
   if case == "another mesh":
     options = dict(mesh=mesh_of((8,), (rm.EXPERT,)))
+  if case == "out_sharding":
+    options = dict(out_sharding=P(rm.DATA))
   block = jax.shard_map(lambda *a: rm.moe_ffn(*a, **options), mesh=mesh, in_specs=(tokens,) * 3 + (P(rm.EXPERT),) * 3,
                         out_specs=tokens)
   with pytest.raises(ValueError, match=message):
