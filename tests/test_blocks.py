@@ -1,7 +1,8 @@
 """A whole MoE block of the user's own (router and experts, no Flax) against the dense float32 oracle through
 `relaymoe_jax.testing`, values and every gradient (1e-5), under every dispatcher: an Equinox module, a plain-JAX
 function over a dict of weights (with a shared expert), and that function inside the user's own `shard_map` (over
-every axis, the arrays per device; and over the data axis only); the refusals of what cannot run. The mutants these
+every axis, the arrays per device; and over the data axis only; on Auto and Explicit axes); the refusals of what
+cannot run. The mutants these
 tests kill are in tests/README.md ("block in a user's shard_map", "replicated expert weights", "whole-block check").
 """
 
@@ -70,21 +71,33 @@ def _plain_block(dispatcher):
   return jax.tree_util.Partial(per_device, _weights(2))
 
 
-def _in_shard_map(manual, dispatcher):
+def _in_shard_map(manual, dispatcher, explicit=False):
   """The plain block inside the user's shard_map: over every axis (tokens over both, each device its E/4
-  experts) or over the data axis only (the experts whole, the block splitting them itself)."""
+  experts) or over the data axis only (the experts whole, the block splitting them itself). On Explicit axes the
+  caller places x and the weights first, as `jax.shard_map` wants (the experts over 'expert' in either form)."""
+  mesh = mesh_of((2, 4), DATA_EXPERT, explicit=explicit)
   tokens = P(DATA_EXPERT) if manual == "every axis" else P(rm.DATA)
   experts = P(rm.EXPERT) if manual == "every axis" else P()
   specs = {n: experts if n.endswith(("EDF", "EFD")) else P() for n in _weights(2)}
   names = {rm.DATA, rm.EXPERT} if manual == "every axis" else {rm.DATA}
-  per_device = jax.shard_map(functools.partial(plain_block, dispatcher=dispatcher), mesh=mesh_of((2, 4), DATA_EXPERT),
+  per_device = jax.shard_map(functools.partial(plain_block, dispatcher=dispatcher), mesh=mesh,
                              in_specs=(specs, tokens), out_specs=tokens, axis_names=names)
-  return jax.tree_util.Partial(per_device, _weights(2))
+  if not explicit:
+    return jax.tree_util.Partial(per_device, _weights(2))
+  placed = {n: P(rm.EXPERT) if n.endswith(("EDF", "EFD")) else P() for n in _weights(2)}
+
+  def placed_first(weights, x):
+    on_mesh = lambda a, spec: jax.sharding.reshard(a, NamedSharding(mesh, spec))
+    return per_device(jax.tree.map(on_mesh, weights, placed), on_mesh(x, P(DATA_EXPERT)))
+
+  return jax.tree_util.Partial(placed_first, _weights(2))
 
 
 BLOCKS = {"equinox": (_equinox_block, (4, 8, D)), "plain": (_plain_block, (32, D)),
           "shard_map over every axis": (functools.partial(_in_shard_map, "every axis"), (32, D)),
-          "shard_map over data": (functools.partial(_in_shard_map, "data axis"), (32, D))}
+          "shard_map over data": (functools.partial(_in_shard_map, "data axis"), (32, D)),
+          "shard_map over every axis, Explicit": (functools.partial(_in_shard_map, "every axis", explicit=True), (32, D)),
+          "shard_map over data, Explicit": (functools.partial(_in_shard_map, "data axis", explicit=True), (32, D))}
 
 
 @functools.cache
@@ -98,9 +111,10 @@ def _oracle(kind):
 def _slow(kind, dispatcher):
   """The plain block outside a shard_map is test_equivalence's ground, and "auto" runs one of the rings, each here:
   their cases run in CI's slow step (the default run stays under 10 minutes on 2 cores)."""
-  return (kind == "plain" and dispatcher != "ring_expert") or dispatcher == "auto"
+  return (kind in ("plain", *EXPLICIT) and dispatcher != "ring_expert") or dispatcher == "auto"
 
 
+EXPLICIT = ("shard_map over every axis, Explicit", "shard_map over data, Explicit")  # the Auto mesh's, placed first
 CASES = [pytest.param(kind, d, id=f"{kind}-{d}", marks=pytest.mark.slow if _slow(kind, d) else ())
          for kind in BLOCKS for d in DISPATCHERS]
 
@@ -118,7 +132,7 @@ def test_a_users_block_is_the_oracle_under_every_dispatcher(kind, dispatcher):
 def test_inside_a_users_shard_map_the_oracle_is_the_one_outside():
   """The same block and weights inside a shard_map (either form: the oracle per device, by all-gathers) and
   outside it (global arrays): values and every gradient."""
-  for kind in ("shard_map over every axis", "shard_map over data"):
+  for kind in ("shard_map over every axis", "shard_map over data", *EXPLICIT):
     rmt.assert_trees_close(_oracle(kind), _oracle("plain"), RTOL)
 
 
