@@ -210,10 +210,11 @@ def test_what_cannot_run_inside_a_users_shard_map_is_one_line(case, message):
   options = dict(tensor_axis=rm.DATA, token_axes=(rm.EXPERT,)) if case == "tensor axis" else {}
   if case == "another mesh":
     options = dict(mesh=mesh_of((8,), (rm.EXPERT,)))
-  if case == "out_sharding":
-    options = dict(out_sharding=P(rm.DATA))
-  block = jax.shard_map(lambda *a: rm.moe_ffn(*a, **options), mesh=mesh, in_specs=(tokens,) * 3 + (P(rm.EXPERT),) * 3,
-                        out_specs=tokens)
+  experts, names = P(rm.EXPERT), {rm.DATA, rm.EXPERT}
+  if case == "out_sharding":  # over the data axis only
+    options, tokens, experts, names = dict(out_sharding=P(rm.DATA)), P(rm.DATA), P(), {rm.DATA}
+  block = jax.shard_map(lambda *a: rm.moe_ffn(*a, **options), mesh=mesh, in_specs=(tokens,) * 3 + (experts,) * 3,
+                        out_specs=tokens, axis_names=names)
   with pytest.raises(ValueError, match=message):
     jax.jit(block)(*inputs.values())
 
