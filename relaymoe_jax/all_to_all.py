@@ -143,7 +143,7 @@ class AllToAll:
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       raise UserError(f"capacity_factor={self.capacity_factor} must be positive (or None for dropless)")
-    num_experts, top_k, n = w_gate_EDF.shape[0], idx_TK.shape[1], layout.ring_size
+    num_experts, top_k, n = layout.num_experts(w_gate_EDF), idx_TK.shape[1], layout.ring_size
     slots = slots_per_destination(x_TD.shape[0] // layout.token_shards, top_k, num_experts // n, n,
                                   self.capacity_factor)
     tok = layout.token_spec

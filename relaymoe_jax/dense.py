@@ -1,4 +1,6 @@
-"""Dense float32 oracle: every expert applied to every token, masked by the routing. No communication.
+"""Dense float32 oracle: every expert applied to every token, masked by the routing. No communication of its own
+on global arrays; per device (inside a caller's `shard_map`) it all-gathers the tokens over the token axes and the
+experts over the expert axis, and keeps its own rows.
 
 The reference each dispatcher is tested against; it gathers everything to every device, so it is for checking,
 not for training. Shape letters: see relaymoe_jax.
@@ -34,11 +36,25 @@ def dense_moe(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, activation="
   return y_TD.astype(x_TD.dtype)
 
 
+def _dense_per_device(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *, layout, activation):
+  """The oracle on one device's arrays (inside a shard_map): every device's tokens and experts all-gathered, this
+  device's rows of the output kept."""
+  tokens = [jax.lax.all_gather(a, layout.token_axes, tiled=True) for a in (x_TD, idx_TK, w_TK)]
+  experts = [None if w is None else jax.lax.all_gather(w, layout.expert_axis, tiled=True)
+             for w in (w_gate_LDF, w_up_LDF, w_down_LFD)]
+  y_TD = dense_moe(*tokens, *experts, activation=activation)
+  rows = x_TD.shape[0]
+  return jax.lax.dynamic_slice_in_dim(y_TD, jax.lax.axis_index(layout.token_axes) * rows, rows)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Dense:
   """The oracle as a dispatcher: inputs are gathered (replicated), the output returns to the token sharding."""
 
   def __call__(self, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, layout, activation="swiglu"):
+    if layout.per_device:
+      return _dense_per_device(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout=layout,
+                               activation=activation)
     args = [None if a is None else layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
                                                                    w_down_EFD)]
     return layout.place(dense_moe(*args, activation=activation), layout.token_spec)

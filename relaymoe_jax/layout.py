@@ -4,7 +4,12 @@ No communication of its own. Tokens (dim 0 of x_TD, idx_TK, w_TK) are split over
 every expert weight) over `expert_axis`, which must be one of the token axes so that the ring's devices hold
 different tokens. Weights are replicated over the other token axes (data parallel), so their gradients are summed
 over those axes. An optional `tensor_axis` (expert tensor parallelism) splits F of every expert; tokens are
-replicated over it and partial outputs are summed over it. Shape letters: see relaymoe_jax.
+replicated over it and partial outputs are summed over it.
+
+Inside a caller's `shard_map` some axes of the mesh are Manual: the arrays are already split over those. A layout
+whose axes are all Manual is `per_device`: its arrays are one device's, `place` and `shard_map` leave them as they
+are, and E counts the experts of the whole ring. A layout with only some Manual axes runs the block in a
+`shard_map` over the others (`free_axes`). Shape letters: see relaymoe_jax.
 """
 
 import dataclasses
@@ -25,6 +30,22 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
+
+
+def block_mesh(mesh):
+  """The mesh a block call runs on: inside a caller's `shard_map`, the context's (its Manual axes are what says
+  the arrays are per device there), which must have `mesh`'s axes if one is given; else `mesh`, or the context's.
+
+  Raises:
+    ValueError: a `mesh` whose axes differ from those of the enclosing `shard_map`'s mesh, or no mesh at all.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  if context.empty or not context.manual_axes:
+    return context_mesh() if mesh is None else mesh
+  if mesh is not None and dict(mesh.shape) != dict(context.shape):
+    raise UserError(f"mesh= has axes {dict(mesh.shape)}, but the enclosing shard_map runs on {dict(context.shape)}; "
+                    "pass that mesh or leave mesh= out")
+  return context
 
 
 def context_mesh():
@@ -84,8 +105,29 @@ class ExpertLayout:
     return self.mesh.shape[self.expert_axis]
 
   @property
+  def manual_axes(self):
+    """The block's axes that a caller's `shard_map` has already split its arrays over."""
+    manual = set(getattr(self.mesh, "manual_axes", ()))
+    return tuple(a for a in self.compute_axes if a in manual)
+
+  @property
+  def free_axes(self):
+    """The block's axes that are not Manual: what its own `shard_map`s split."""
+    return tuple(a for a in self.compute_axes if a not in self.manual_axes)
+
+  @property
+  def per_device(self):
+    """Every axis of the block is Manual: the arrays are one device's."""
+    return not self.free_axes
+
+  @property
   def token_shards(self):
-    return math.prod(self.mesh.shape[a] for a in self.token_axes)
+    """The shards tokens are split into here (the Manual axes have split them already)."""
+    return math.prod(self.mesh.shape[a] for a in self.token_axes if a not in self.manual_axes)
+
+  def num_experts(self, w_gate_EDF):
+    """E of the whole ring: inside a `shard_map` over the expert axis the array holds this device's L."""
+    return w_gate_EDF.shape[0] * (self.ring_size if self.expert_axis in self.manual_axes else 1)
 
   @property
   def replica_axes(self):
@@ -128,10 +170,18 @@ class ExpertLayout:
     return any(t == AxisType.Explicit for t in self.mesh.axis_types)
 
   def place(self, x, spec):
-    """Reshards x to spec. Explicit meshes need it before shard_map; Auto meshes let shard_map do it."""
+    """Reshards x to spec (over the free axes). Explicit meshes need it before shard_map; Auto meshes let shard_map
+    do it."""
     if self.explicit:
-      return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+      return jax.sharding.reshard(x, NamedSharding(self.mesh, self._free(spec)))
     return x
+
+  def _free(self, spec):
+    """spec without the Manual axes, which a caller's `shard_map` has already split."""
+    if not self.manual_axes:
+      return spec
+    kept = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in self.manual_axes) for e in spec]
+    return P(*(k or None for k in kept))
 
   def caller_sharding(self, x):
     """x's sharding as its type carries it, for a result to come back with (`restore`): on an Explicit mesh where
@@ -142,7 +192,10 @@ class ExpertLayout:
   def restore(self, y, sharding, x, out_sharding=None):
     """y sharded as the caller asked (`out_sharding`, a PartitionSpec on this mesh or a NamedSharding), else as x
     came: resharded to `sharding` from `caller_sharding`; on an Auto mesh, where the type carries no sharding, tied
-    to x's by XLA's sharding propagation (`shard_alike`)."""
+    to x's by XLA's sharding propagation (`shard_alike`). Per device, y is as x is."""
+    if out_sharding is not None and self.manual_axes:
+      raise UserError(f"out_sharding={out_sharding!r} is not taken inside a shard_map (axes {self.manual_axes} "
+                      "Manual): y comes back as x came; set the shard_map's out_specs")
     if out_sharding is not None:
       if isinstance(out_sharding, P):
         out_sharding = NamedSharding(self.mesh, out_sharding)
@@ -153,10 +206,43 @@ class ExpertLayout:
       return jax.lax.with_sharding_constraint(y, out_sharding)
     if sharding is not None:
       return jax.sharding.reshard(y, sharding)
-    return y if self.explicit else shard_alike(x, y)[1]
+    return y if self.explicit or self.manual_axes else shard_alike(x, y)[1]
 
   def shard_map(self, f, in_specs, out_specs):
+    """f per device over the free axes (f itself where there are none: the arrays are one device's already)."""
+    if self.per_device:
+      return f
+    if self.manual_axes:
+      free = jax.tree.map(self._free, (in_specs, out_specs), is_leaf=lambda s: isinstance(s, P))
+      return jax.shard_map(f, in_specs=free[0], out_specs=free[1], axis_names=set(self.free_axes), check_vma=True)
     return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+def shard_map_over_free_axes(layout, f, floats, ints, in_specs, out_specs):
+  """f(*floats, *ints) in a shard_map over the axes a caller's shard_map left free, differentiable in `floats`
+  (arrays or None). Its backward reruns f's forward with f's VJP inside one shard_map, so that no residual crosses
+  the nested shard_map: JAX 0.10.2 gives such residuals the parent's Manual axes in their specs too, and XLA
+  rejects the program ("operates on axis which is already bound by a parent")."""
+  forward = layout.shard_map(f, in_specs, out_specs)
+  float_specs = in_specs[:len(floats)]
+
+  def pullback(floats, ints, dy):
+    return jax.vjp(lambda *floats: f(*floats, *ints), *floats)[1](dy)
+
+  backward = layout.shard_map(pullback, (float_specs, in_specs[len(floats):], out_specs), float_specs)
+
+  @jax.custom_vjp
+  def run(floats, ints):
+    return forward(*floats, *ints)
+
+  def run_fwd(floats, ints):
+    return run(floats, ints), (floats, ints)
+
+  def run_bwd(residuals, dy):
+    return backward(*residuals, dy), None
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(tuple(floats), tuple(ints))
 
 
 def varying_zeros(shape, dtype, axes):

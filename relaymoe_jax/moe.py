@@ -5,6 +5,8 @@ they differ only in where the pairs are computed and what is held (see each disp
 between devices). Shape letters: see relaymoe_jax.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -14,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from relaymoe_jax import activations
+from relaymoe_jax import activations, placement
 from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.ring.auto import Auto
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense, dense_moe
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.kernels.grouped_matmul import matmul_precision, resolve_backend
-from relaymoe_jax.layout import ExpertLayout, context_mesh
+from relaymoe_jax.layout import ExpertLayout, block_mesh, shard_map_over_free_axes
 from relaymoe_jax.ring.expert import RingExpert
 from relaymoe_jax.ring.token import RingToken
 from relaymoe_jax.tokens import fold, pad_rows, padding_for, refuse_vmap, unfold
@@ -33,6 +35,23 @@ DISPATCHERS = {
     "all_to_all": AllToAll,
     "dense": Dense,
 }
+
+
+# (dispatcher or None, calls): set by `every_call_dispatched_by` while a whole block is checked against the oracle.
+_FORCED = contextvars.ContextVar("relaymoe_forced_dispatcher", default=None)
+
+
+@contextlib.contextmanager
+def every_call_dispatched_by(dispatcher):
+  """Within it every `moe_ffn` traced or called runs `dispatcher` (its options dropped), whatever the caller gave
+  (None: each its own); yields a list with one entry per such call. `relaymoe_jax.testing` runs a whole block of
+  yours against the oracle this way, and the count tells it the block's calls were traced, not a cached trace."""
+  calls = []
+  token = _FORCED.set((dispatcher, calls))
+  try:
+    yield calls
+  finally:
+    _FORCED.reset(token)
 
 
 def make_dispatcher(name, **options):
@@ -62,6 +81,7 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   if x_TD.ndim != 2 or idx_TK.ndim != 2 or w_gate_EDF.ndim != 3:
     raise UserError(f"expected x_TD [T, D], idx_TK [T, K], w_gate_EDF [E, D, F]; got {shapes}")
   (t, d), (e, _, f), k = x_TD.shape, w_gate_EDF.shape, idx_TK.shape[1]
+  num_experts = layout.num_experts(w_gate_EDF)  # e, or inside a shard_map over the expert axis the ring's
   expected = dict(x_TD=(t, d), idx_TK=(t, k), w_TK=(t, k), w_gate_EDF=(e, d, f), w_up_EDF=(e, d, f),
                   w_down_EFD=(e, f, d))
   wrong = {name: shapes[name] for name in shapes if tuple(shapes[name]) != expected[name]}
@@ -71,8 +91,8 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   if d < 1 or f < 1:
     raise UserError(f"x_TD's width D={d} and the experts' width F={f} (w_gate_EDF {tuple(w_gate_EDF.shape)}) must "
                     "be ≥ 1")
-  if not 1 <= k <= e:
-    raise UserError(f"top_k={k} (idx_TK.shape[1]) must be between 1 and the number of experts E={e}")
+  if not 1 <= k <= num_experts:
+    raise UserError(f"top_k={k} (idx_TK.shape[1]) must be between 1 and the number of experts E={num_experts}")
   if not jnp.issubdtype(idx_TK.dtype, jnp.integer):
     raise UserError(f"idx_TK must hold integer expert ids; got dtype {idx_TK.dtype}")
   if not jnp.issubdtype(x_TD.dtype, jnp.floating):
@@ -82,8 +102,8 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
   wrong_dtypes = {name: str(dt) for name, dt in dtypes.items() if dt != x_TD.dtype}
   if wrong_dtypes:
     raise UserError(f"dtype mismatch: {wrong_dtypes} differ from x_TD's {x_TD.dtype}")
-  layout.check_sizes(e, f)
-  _check_expert_ids(idx_TK, e)
+  layout.check_sizes(num_experts, f)
+  _check_expert_ids(idx_TK, num_experts)
 
 
 def _check_expert_ids(idx_TK, num_experts):
@@ -121,6 +141,11 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
   divisible by the token shards is padded inside with rows that route nowhere (they cost nothing in the rings).
   Zero tokens give an empty y_TD (and zero expert-weight gradients) with every dispatcher, which is not run. Not
   under `jax.vmap` (a ValueError says why): pass the batch as leading dims of x instead.
+
+  Inside your own `jax.shard_map` (leave out `mesh`): over every axis of the block, the arrays are this device's
+  (its tokens, its L = E/N experts) and the ring runs on your axes directly; over some of them (the data axes), the
+  block runs its own `shard_map` over the others. Tokens must vary over the token axes, expert weights over the
+  expert axis and not over the data axes; `tensor_axis` and `out_sharding` are refused there.
 
   Expert ids outside [0, E) raise a ValueError where idx_TK's values are known (an eager call, or a constant under
   `jit`); traced under `jit`, such a (token, expert) pair contributes nothing, with every dispatcher: no output,
@@ -160,7 +185,15 @@ def moe_ffn(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh=None, 
       (where known) expert ids out of range, no mesh, and a call under `jax.vmap`.
   """
   arrays = (x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
-  static = dict(mesh=context_mesh() if mesh is None else mesh, dispatcher=dispatcher, expert_axis=expert_axis,
+  if _FORCED.get() is not None:
+    forced, calls = _FORCED.get()
+    calls.append(dispatcher)
+    dispatcher, options = (dispatcher, options) if forced is None else (forced, {})
+  mesh = block_mesh(mesh)
+  for name, w in dict(w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF, w_down_EFD=w_down_EFD).items():
+    if w is not None:
+      placement.check_experts_split(name, w, expert_axis=expert_axis, tensor_axis=tensor_axis, mesh=mesh)
+  static = dict(mesh=mesh, dispatcher=dispatcher, expert_axis=expert_axis,
                 token_axes=tuple(token_axes or ()), tensor_axis=tensor_axis, return_stats=return_stats,
                 activation=activation, out_sharding=out_sharding, options=tuple(sorted(options.items())))
   if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((arrays, shared, shared_gate_D1))) or \
@@ -186,6 +219,9 @@ def _block(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, shared, shar
   layout = ExpertLayout(mesh=mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis)
   dispatcher = _dispatcher_for(layout, dispatcher, dict(options))
   _check_ranks(x_TD, idx_TK, w_TK)
+  if layout.manual_axes:
+    _check_in_callers_shard_map(layout, dict(x_TD=x_TD, w_gate_EDF=w_gate_EDF, w_up_EDF=w_up_EDF,
+                                             w_down_EFD=w_down_EFD))
   _check_up_matrix(w_up_EDF, activation)
   x_sharding, x_in = layout.caller_sharding(x_TD), x_TD
   x_TD, idx_TK, w_TK = (fold(layout, a) for a in (x_TD, idx_TK, w_TK))
@@ -209,7 +245,7 @@ def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
                    activation):
   """(y_TD, dropped pairs): padding, placement and the dispatcher. y_TD is over the token axes, or replicated on an
   Explicit mesh where T was padded (T rows do not split evenly over them)."""
-  t, num_experts, tok = x_TD.shape[0], w_gate_EDF.shape[0], layout.token_spec
+  t, num_experts, tok = x_TD.shape[0], layout.num_experts(w_gate_EDF), layout.token_spec
   if t == 0:
     # Every device sees the same global T, so all skip together. There is nothing to send, and XLA rejected the
     # token ring's backward shard_map over empty shards (JAX 0.10.2: no GlobalToLocalShape for its operand).
@@ -221,19 +257,41 @@ def _sharded_block(layout, dispatcher, x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF,
   w_gate_EDF, w_up_EDF, w_down_EFD = (None if w is None else layout.place(w, spec) for w, spec in
                                       zip((w_gate_EDF, w_up_EDF, w_down_EFD), layout.expert_specs))
   weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-  if isinstance(dispatcher, Dense):
+  if layout.manual_axes and not layout.per_device:
+    # In a caller's shard_map over some of the block's axes: one more over the others, and then per device.
+    per_device = functools.partial(_dispatch_per_device, dispatcher, layout, activation)
+    y_TD = shard_map_over_free_axes(layout, per_device, (x_TD, w_TK, *weights), (idx_TK,),
+                                    (tok, tok, *layout.expert_specs, tok), tok)
+  elif isinstance(dispatcher, Dense) and not layout.per_device:
     # The oracle's global-array math needs a mesh context under an Explicit mesh inside a caller's jit; in a
     # shard_map over replicated inputs it runs on every device without one.
     oracle = functools.partial(dense_moe, activation=activation)
     y_TD = layout.place(layout.shard_map(oracle, in_specs=(P(),) * 6, out_specs=P())(
         *(None if a is None else layout.place(a, P()) for a in (x_TD, idx_TK, w_TK, *weights))), tok)
   else:
-    # A dispatcher of the caller's own written before activations takes no `activation`: SwiGLU is its default.
-    by_name = {} if activation == "swiglu" else dict(activation=activation)
-    y_TD = dispatcher(x_TD, idx_TK, w_TK, *weights, layout=layout, **by_name)
+    y_TD = _dispatch(dispatcher, layout, activation, x_TD, idx_TK, w_TK, *weights)
   count = getattr(dispatcher, "dropped_pairs", None) if count_drops else None
   dropped = count(idx_TK, num_experts, layout=layout) if count else jnp.zeros((), jnp.int32)
   return (layout.place(y_TD, P())[:t] if pad else y_TD), dropped
+
+
+def _dispatch(dispatcher, layout, activation, *arrays):
+  # A dispatcher of the caller's own written before activations takes no `activation`: SwiGLU is its default.
+  by_name = {} if activation == "swiglu" else dict(activation=activation)
+  return dispatcher(*arrays, layout=layout, **by_name)
+
+
+def _dispatch_per_device(dispatcher, layout, activation, x_TD, w_TK, w_gate, w_up, w_down, idx_TK):
+  """The dispatcher inside the block's own shard_map over the axes a caller's left free: every axis is Manual."""
+  return _dispatch(dispatcher, dataclasses.replace(layout, mesh=jax.sharding.get_abstract_mesh()), activation,
+                   x_TD, idx_TK, w_TK, w_gate, w_up, w_down)
+
+
+def _check_in_callers_shard_map(layout, arrays):
+  if layout.tensor_axis is not None:
+    raise UserError(f"tensor_axis={layout.tensor_axis!r} is not supported inside a shard_map (axes "
+                    f"{layout.manual_axes} Manual): call the block outside it for expert tensor parallelism")
+  placement.check_per_device(layout, arrays)
 
 
 def _shared_where_y_is(layout, x_TD, shared, gate_D1):
@@ -241,7 +299,7 @@ def _shared_where_y_is(layout, x_TD, shared, gate_D1):
   padding."""
   spec = P() if padding_for(layout, x_TD.shape[0]) else layout.token_spec
   x_TD = layout.place(x_TD, spec)
-  if not layout.explicit:
+  if not layout.explicit or layout.manual_axes:  # (inside a caller's shard_map, the context's mesh is set)
     return shared_expert(x_TD, *shared, gate_D1)
   # Per device in a shard_map: as global math on an Explicit mesh outside `jax.set_mesh`, the weight gradients
   # (contractions over the sharded tokens) are refused as ambiguously sharded.

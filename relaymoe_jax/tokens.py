@@ -19,6 +19,12 @@ VMAP_MESSAGE = (
     "moe_ffn, route and the rm.linen.MoE / rm.nnx.MoE layers take x [..., D] and fold every leading dim into "
     "tokens (x_BSD works as it is; for vmap over examples, move the vmapped axis into x's leading dims).")
 
+VMAP_OVER_WEIGHTS_MESSAGE = (
+    "the MoE block cannot run under jax.vmap over its expert weights (an ensemble of blocks): its grouped matmul "
+    "(lax.ragged_dot) batches over no dimension but its first, and the rings place experts on the mesh themselves. "
+    "Call it once per member (a Python loop or lax.map over the stacked weights), or fold the members into one "
+    "block with E·members experts and route each member's tokens to its own.")
+
 
 def _leading_spec(layout, a):
   """The sharding of a's first dim alone, on an Explicit mesh: a reshape merging the leading dims keeps it."""
@@ -63,7 +69,8 @@ def _refuse_vmap(arrays):
 
 @_refuse_vmap.def_vmap
 def _refuse_vmap_rule(axis_size, in_batched, arrays):
-  raise UserError(VMAP_MESSAGE)
+  x_batched, *_, experts_batched = in_batched[0]  # (x_TD, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+  raise UserError(VMAP_MESSAGE if x_batched or not experts_batched else VMAP_OVER_WEIGHTS_MESSAGE)
 
 
 @jax.custom_vjp

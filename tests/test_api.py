@@ -24,7 +24,8 @@ def test_explicit_mesh_under_set_mesh():
   mesh = mesh_of((2, 4), DATA_EXPERT, explicit=True)
   layer = random_layer(0, 64, 16, 24, 16, 4)
   with jax.set_mesh(mesh):
-    layer = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in layer.items()}
+    layer = {k: jax.device_put(v, NamedSharding(mesh, P(rm.EXPERT) if k in ARGS[3:] else P()))
+             for k, v in layer.items()}
     y, _ = rmt.values_and_grads(layer, mesh=mesh, dispatcher="ring_expert")
     rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=F32_RTOL, **layer)
   assert not any(y.sharding.spec), y.sharding  # as x came, replicated (the ring itself ran split over the token axes)
@@ -61,12 +62,13 @@ def test_out_sharding_is_the_outputs_on_auto_and_explicit_meshes():
 
 @pytest.mark.slow  # 7 s on 2 cores (the default run reached 10.5 min on CI); CI's second step runs it
 def test_auto_mesh_eager_call_and_resharded_inputs():
-  """Called outside jit with inputs sharded some other way (x split over D, weights over D): resharded, not
+  """Called outside jit with inputs sharded some other way (x split over D, the routing replicated): resharded, not
   rejected, and the output comes back sharded as x came (split over D), ready for the caller's residual add."""
   mesh = mesh_of((8,), (rm.EXPERT,))
   layer = random_layer(1, 64, 16, 24, 8, 2)
-  odd = {k: jax.device_put(v, NamedSharding(mesh, P(None, rm.EXPERT) if v.ndim >= 2 and v.shape[1] % 8 == 0
-                                            else P())) for k, v in layer.items()}
+  odd = {k: jax.device_put(v, NamedSharding(mesh, P(rm.EXPERT) if k in ARGS[3:] else
+                                            P(None, rm.EXPERT) if v.shape[1] % 8 == 0 else P()))
+         for k, v in layer.items()}
   y = rm.moe_ffn(*(odd[a] for a in ARGS), mesh=mesh, dispatcher="ring_expert")
   assert y.sharding.is_equivalent_to(odd["x_TD"].sharding, y.ndim), y.sharding
   assert_close(y, rm.dense_moe(*(layer[a] for a in ARGS)), F32_RTOL, "y")

@@ -33,7 +33,13 @@ def test_wheel_ships_every_config(tmp_path):
 
 
 def test_the_functional_api_imports_no_flax():
-  """`route` / `moe_ffn` users pay no Flax import: the Flax layers load on first use of `relaymoe_jax.nnx`/`.linen`."""
-  code = ("import sys, relaymoe_jax as rm; assert not [m for m in sys.modules if m.split('.')[0] == 'flax'], 'flax';"
+  """`route` / `moe_ffn` users (and `relaymoe_jax.testing`'s) pay no Flax import: the Flax layers load on first use
+  of `relaymoe_jax.nnx`/`.linen`; `python -X importtime -c "import relaymoe_jax"` lists no Flax module."""
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+  code = ("import sys, relaymoe_jax as rm, relaymoe_jax.testing;"
+          " assert not [m for m in sys.modules if m.split('.')[0] == 'flax'], 'flax';"
           " rm.route, rm.moe_ffn; rm.nnx.MoE; assert 'flax' in sys.modules")
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=env)
+  timed = subprocess.run([sys.executable, "-X", "importtime", "-c", "import relaymoe_jax"], check=True, cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True)
+  assert "relaymoe_jax.moe" in timed.stderr and "flax" not in timed.stderr

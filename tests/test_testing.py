@@ -57,8 +57,8 @@ def test_a_correct_block_passes_and_every_array_is_reported():
 
 
 @pytest.mark.parametrize("dispatcher, message", [
-    (_Scaled(factor=1.001), r"\['y_TD'\] 0.001"),
-    (_FrozenDown(), r"relative error over rtol=1e-05: \['dw_down_EFD'\] 1; experts that differ: \[0, 1, 2, 3, 4, 5, "
+    (_Scaled(factor=1.001), r"dx_TD 0.001, y_TD 0.001; "),
+    (_FrozenDown(), r"relative error over rtol=1e-05: dw_down_EFD 1; experts that differ: \[0, 1, 2, 3, 4, 5, "
                     r"6, 7\]; token rows that differ: none$"),
 ], ids=["values", "one gradient"])
 def test_a_wrong_block_fails_naming_the_array(dispatcher, message):
@@ -137,7 +137,7 @@ def test_assert_trees_close_rejects_non_finite_and_mismatched_shapes():
     rmt.assert_trees_close({"a": jnp.array([jnp.nan, 1.0])}, {"a": jnp.array([1.0, 1.0])}, rtol=10.0)
   with pytest.raises(AssertionError):
     rmt.assert_trees_close({"a": jnp.ones((2, 3))}, {"a": jnp.ones((3, 2))}, rtol=10.0)
-  with pytest.raises(AssertionError, match=r"\['b'\] 0.5"):
+  with pytest.raises(AssertionError, match=r"over rtol=0.1: b 0.5$"):
     rmt.assert_trees_close({"a": jnp.ones(2), "b": jnp.ones(2)}, {"a": jnp.ones(2), "b": jnp.full(2, 2.0)}, 0.1)
 
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax import activations
+from relaymoe_jax import activations, placement
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.layout import ExpertLayout
@@ -89,29 +89,9 @@ def check_config(config, mesh):
   layout.check_sizes(config.num_experts, config.d_ff)
 
 
-def axis_rules(expert_axis=EXPERT, tensor_axis=None):
-  """The logical axis rules the layers' parameters need: their partitioning names mesh axes (the expert axis, and
-  the tensor axis under expert tensor parallelism), so a model that maps specs through
-  `nn.logical_to_mesh_sharding(specs, mesh, rules)` keeps them only where its rules map each name to itself."""
-  return tuple((axis, axis) for axis in (expert_axis, tensor_axis) if axis is not None)
-
-
 def check_experts_split(name, w, config, mesh):
-  """Raises UserError where `w`'s sharding is known (a concrete array, or a traced one on Explicit axes) and does
-  not split dim 0 (experts) over the expert axis: every device would hold every expert."""
-  if mesh is None or mesh.empty or config.expert_axis not in mesh.axis_names or mesh.shape[config.expert_axis] == 1:
-    return
-  sharding = jax.typeof(w).sharding if isinstance(w, jax.core.Tracer) else getattr(w, "sharding", None)
-  if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty or (
-      isinstance(w, jax.core.Tracer) and not sharding.mesh.explicit_axes):
-    return  # unknown here: a single-device array, or an Auto type inside a trace
-  first = tuple(sharding.spec)[0] if len(sharding.spec) else None
-  if config.expert_axis not in ((first,) if isinstance(first, str) else tuple(first or ())):
-    raise UserError(
-        f"{name} {tuple(w.shape)} is not split over expert axis {config.expert_axis!r} (its sharding: "
-        f"{sharding.spec}): every device would hold all {w.shape[0]} experts. Under logical axis rules "
-        f"(nn.logical_to_mesh_sharding), add {axis_rules(config.expert_axis, config.tensor_axis)} to the rules "
-        "(rm.linen.axis_rules(...) gives them)")
+  """`placement.check_experts_split` with the config's axes."""
+  placement.check_experts_split(name, w, expert_axis=config.expert_axis, tensor_axis=config.tensor_axis, mesh=mesh)
 
 
 def param_shapes(config, d_model):

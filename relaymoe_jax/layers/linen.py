@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from relaymoe_jax.axes import EXPERT
-from relaymoe_jax.layers.block import (BlockConfig, axis_rules, check_config, check_experts_split, initializer, moe_block,
+from relaymoe_jax.placement import axis_rules
+from relaymoe_jax.layers.block import (BlockConfig, check_config, check_experts_split, initializer, moe_block,
                                 param_shapes)
 
 AUX_NAME = "moe_aux"  # the `sow`n name, in the "intermediates" collection

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relaymoe_jax.layers.block import (axis_rules, block_config, check_config, check_experts_split, initializer, moe_block,
+from relaymoe_jax.placement import axis_rules
+from relaymoe_jax.layers.block import (block_config, check_config, check_experts_split, initializer, moe_block,
                                 param_shapes)
 
 __all__ = ["MoE", "axis_rules"]

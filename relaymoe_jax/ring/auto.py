@@ -11,7 +11,8 @@ from relaymoe_jax.ring.volume import EXPERT_MODE, plan_dispatch
 
 
 def plan_for(layout, x_TD, idx_TK, w_gate_EDF, gated=True):
-  num_experts, d_model, d_ff = w_gate_EDF.shape
+  _, d_model, d_ff = w_gate_EDF.shape
+  num_experts = layout.num_experts(w_gate_EDF)
   return plan_dispatch(tokens_per_device=x_TD.shape[0] // layout.token_shards, d_model=d_model, d_ff=d_ff,
                        num_experts=num_experts, top_k=idx_TK.shape[1], ring_size=layout.ring_size,
                        dtype=w_gate_EDF.dtype, expert_tensor_parallel=layout.tensor_size,

@@ -44,7 +44,8 @@ class RingSpec:
 def _ladder(layout, backend, chunk_rows, row_cap, tokens_per_device, top_k, w_gate_EDF, activation):
   if chunk_rows is not None:
     return check_ladder(chunk_rows)
-  num_experts, d_model, d_ff = w_gate_EDF.shape
+  _, d_model, d_ff = w_gate_EDF.shape
+  num_experts = layout.num_experts(w_gate_EDF)
   # The widest grouped matmul of a hop is the input projection, gate and up fused for gated experts: U = 2F (per
   # tensor-parallel slice) columns.
   width = (2 if activations.is_gated(activation) else 1) * d_ff // layout.tensor_size
@@ -65,7 +66,7 @@ def make_ring_spec(layout, x_TD, idx_TK, w_gate_EDF, *, chunk_rows, backend, act
   if not recompute:
     ladder = ladder[:1]
   static_chunks = None if recompute else math.ceil(tokens_per_device * top_k / ladder[0])
-  return RingSpec(layout=layout, num_experts=w_gate_EDF.shape[0], top_k=top_k, chunk_rows=ladder, backend=backend,
+  return RingSpec(layout=layout, num_experts=layout.num_experts(w_gate_EDF), top_k=top_k, chunk_rows=ladder, backend=backend,
                   activation=activations.check(activation), static_chunks=static_chunks)
 
 

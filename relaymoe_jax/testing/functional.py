@@ -1,31 +1,21 @@
-"""Checks for your own tests: random MoE inputs, and a MoE block under a dispatcher against the dense oracle.
-
-No communication of its own: the checks call `moe_ffn` on your mesh, once with your dispatcher and once with
-"dense" on float32 copies of the same inputs. Not imported by `import relaymoe_jax` (it needs chex, not pytest):
-
-    import relaymoe_jax.testing as rmt
-
-    inputs = rmt.random_moe_inputs(0, tokens=64, d_model=16, d_ff=24, num_experts=16, top_k=4)
-    rmt.assert_matches_dense_oracle(mesh=mesh, dispatcher="ring_expert", rtol=1e-5, **inputs)
-
-Closeness is the max-norm relative error max|a − b| / max|b| of each array, not an elementwise tolerance: a
-gradient's small entries carry the absolute rounding of its large ones. Shape letters: see relaymoe_jax.
+"""The function form of the oracle check: random inputs, and `moe_ffn` (or a wrapper with its signature) against
+the dense float32 oracle on the same inputs. No communication of its own (`moe_ffn`'s). Shape letters: see
+relaymoe_jax.
 """
 
-import dataclasses
 import functools
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from relaymoe_jax import activations
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import UserError
 from relaymoe_jax.moe import moe_ffn
+from relaymoe_jax.testing.closeness import assert_trees_close, cotangent, where_they_differ
+
 
 MOE_ARGS = ("x_TD", "idx_TK", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")
 DIFF_ARGS = ("x_TD", "w_TK", "w_gate_EDF", "w_up_EDF", "w_down_EFD")  # what `moe_ffn` is differentiable in
@@ -63,42 +53,6 @@ def random_moe_inputs(seed, tokens, d_model, d_ff, num_experts, top_k, *, skew=F
     arrays["w_up_EDF"] = None
   return {name: None if a is None else jnp.asarray(a, None if name == "idx_TK" else dtype)
           for name, a in arrays.items()}
-
-
-def relative_error(actual, expected):
-  """max |a − b| / max |b| of each leaf pair, in float32 (the denominator floored at 1e-30).
-
-  Returns:
-    a pytree shaped like `expected` whose leaves are Python floats.
-  """
-
-  def one(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if not b.size:
-      return 0.0
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-  return jax.tree.map(one, actual, expected)
-
-
-def assert_trees_close(actual, expected, rtol):
-  """Same structure and shapes, `actual` finite, and each leaf's `relative_error` at most rtol.
-
-  Raises:
-    AssertionError: naming every leaf over rtol and its error.
-  """
-  chex.assert_trees_all_equal_shapes(actual, expected)
-  chex.assert_tree_all_finite(actual)
-  errors = relative_error(actual, expected)
-  over = {jax.tree_util.keystr(path): err for path, err in jax.tree_util.tree_leaves_with_path(errors) if err > rtol}
-  assert not over, "relative error over rtol={:.3g}: {}".format(
-      rtol, ", ".join(f"{name} {err:.3g}" for name, err in over.items()))
-  return errors
-
-
-def cotangent(shape, seed=0):
-  """A fixed random float32 output cotangent c: the checks differentiate Σ y·c."""
-  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "mesh", "dispatcher", "axes", "activation", "options"))
@@ -139,9 +93,30 @@ def values_and_grads(inputs, *, mesh=None, dispatcher=None, block=None, expert_a
   """
   axes = (expert_axis, tuple(token_axes) if token_axes else None, tensor_axis)
   c_TD = cotangent(inputs["x_TD"].shape, cotangent_seed)
+  if block is not None and not _hashable(block):
+    block = _ByIdentity(block)
   return _values_and_grads({name: inputs[name] for name in MOE_ARGS}, c_TD, block=block, mesh=mesh,
                            dispatcher=dispatcher, axes=axes, activation=activation,
                            options=tuple(sorted(options.items())))
+
+
+def _hashable(block):
+  try:
+    hash(block)
+  except TypeError:
+    return False
+  return True
+
+
+class _ByIdentity:
+  """An unhashable block (an Equinox bound method holds arrays) as a static argument of the jitted check: hashed
+  by identity, so it is compiled once per object."""
+
+  def __init__(self, block):
+    self.block = block
+
+  def __call__(self, *args):
+    return self.block(*args)
 
 
 def dense_oracle(inputs, **kwargs):
@@ -195,108 +170,6 @@ def assert_matches_dense_oracle(block=None, *, mesh=None, dispatcher=None, rtol,
     return assert_trees_close(actual, expected, rtol)
   except AssertionError as e:
     raise AssertionError(f"{e}; {where_they_differ(actual, expected, rtol)}") from None
-
-
-def layer_values_and_grads(layer, x, *, variables=None, dispatcher=None, float32=False, cotangent_seed=0):
-  """A MoE layer's output and the gradients of Σ y·c w.r.t. x and every parameter, jitted.
-
-  Args:
-    layer: an `rm.linen.MoE` (with `variables`) or an `rm.nnx.MoE`.
-    x: its input [..., D].
-    dispatcher: if given, replaces the layer's (and drops its options).
-    float32: run on float32 copies of x and the parameters, computing in float32.
-
-  Returns:
-    (y, {"x": dx, "params": {name: gradient}}).
-  """
-  c = cotangent(x.shape, cotangent_seed)
-  changes = dict(dispatcher=dispatcher, dispatcher_options=None) if dispatcher is not None else {}
-  if float32:
-    changes["dtype"] = jnp.float32
-    x = x.astype(jnp.float32)
-  if isinstance(layer, nn.Module):
-    module, params = layer.clone(**changes), variables["params"]
-    apply = module.apply
-
-    def run(params, x):
-      return apply({"params": params}, x)[0]
-  else:
-    graphdef, params = nnx.split(layer, nnx.Param)
-    config = dataclasses.replace(layer.config, **changes)
-
-    def run(params, x):
-      module = nnx.merge(graphdef, params)
-      module.config = config
-      return module(x)[0]
-
-  if float32:
-    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-
-  @jax.jit
-  def values_and_grads(params, x):
-    def loss(params, x):
-      y = run(params, x)
-      return jnp.sum(y.astype(jnp.float32) * c), y
-    (_, y), (d_params, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-    return y, {"x": dx, "params": d_params}
-
-  y, grads = values_and_grads(params, x)
-  if not isinstance(layer, nn.Module):  # plain arrays by name, as Linen's, not nnx.Param-wrapped
-    grads["params"] = nnx.to_pure_dict(grads["params"])
-  return y, grads
-
-
-def assert_layer_matches_dense_oracle(layer, x, *, rtol, variables=None, cotangent_seed=0):
-  """Asserts that a MoE layer (`rm.linen.MoE` with its `variables`, or `rm.nnx.MoE`) equals itself under the
-  dense float32 oracle dispatcher, in values and in the gradients w.r.t. x and every parameter (router, experts,
-  shared expert).
-
-  Returns:
-    the relative error of each array ("y", "x", and "params" by name).
-
-  Raises:
-    AssertionError: naming each array over rtol, a shape (y must have x's), a dtype (y: the layer's compute
-      dtype, else x's) or a non-finite value.
-  """
-  kw = dict(variables=variables, cotangent_seed=cotangent_seed)
-  y, grads = layer_values_and_grads(layer, x, **kw)
-  config = layer.block_config() if isinstance(layer, nn.Module) else layer.config
-  chex.assert_shape(y, x.shape)
-  chex.assert_type(y, config.dtype or x.dtype)
-  y_ref, grads_ref = layer_values_and_grads(layer, x, dispatcher="dense", float32=True, **kw)
-  actual, expected = dict(y=y, **grads), dict(y=y_ref, **grads_ref)
-  try:
-    return assert_trees_close(actual, expected, rtol)
-  except AssertionError as e:
-    where = where_they_differ(_layer_named(actual), _layer_named(expected), rtol)
-    raise AssertionError(f"{e}; {where}") from None
-
-
-def _layer_named(outputs):
-  """A layer's output and gradients under `where_they_differ`'s names: token rows of y and dx, experts of the
-  expert weights' gradients."""
-  d = outputs["y"].shape[-1]
-  experts = {f"d{name}": g for name, g in outputs["params"].items() if name.startswith("w_") and name[-3] == "E"}
-  return dict(y_TD=outputs["y"].reshape(-1, d), dx_TD=outputs["x"].reshape(-1, d), **experts)
-
-
-def where_they_differ(actual, expected, rtol):
-  """Which experts (dim 0 of the "dw_*_E.." arrays) and which token rows (dim 0 of "y_TD", "dx_TD", "dw_TK")
-  differ, each slice judged against its whole array's max |b|: a sentence for an assertion message."""
-  experts, rows = set(), set()
-  for name, a in actual.items():
-    a, b = np.asarray(a, np.float32), np.asarray(expected[name], np.float32)
-    if not b.size:
-      continue
-    bad = np.max(np.abs(a - b).reshape(a.shape[0], -1), axis=1) > rtol * max(float(np.max(np.abs(b))), 1e-30)
-    (experts if name.startswith("dw_") and name != "dw_TK" else rows).update(np.flatnonzero(bad).tolist())
-  return "experts that differ: {}; token rows that differ: {}".format(_listed(experts), _listed(rows))
-
-
-def _listed(ids, most=16):
-  ids = sorted(ids)
-  more = f" (and {len(ids) - most} more)" if len(ids) > most else ""
-  return (str(ids[:most]) + more) if ids else "none"
 
 
 def _named(y_TD, grads):
