@@ -166,11 +166,12 @@ CLI = ["--config", "cpu", "compilation_cache_dir=''", "batch_size=8", "seq_len=1
 
 
 def test_the_cli_shows_a_jax_error_in_project_code_as_a_bug(tmp_path, capsys, monkeypatch):
-  """A bug: the trainer's check that the batch splits over the mesh is lost, so JAX's shard_map raises a ValueError
-  while tracing the project's loss. JAX trims its own frames, so the traceback ends in models/loss.py; it is still
-  JAX's error, not one written for the user."""
+  """A bug: the trainer's and the model's checks that the batch splits over the mesh are lost, so JAX's shard_map
+  raises a ValueError while tracing the project's loss. JAX trims its own frames, so the traceback ends in
+  models/loss.py; it is still JAX's error, not one written for the user."""
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
   monkeypatch.setattr(train.mesh, "batch_shards", lambda mesh, runtime: 1)
+  monkeypatch.setattr(qwen3, "check_rows", lambda rows, mesh, axes: None)
   with pytest.raises(SystemExit) as exit_info:
     main([*CLI, "batch_size=6", "--out", str(tmp_path / "run")])
   stderr = capsys.readouterr().err
