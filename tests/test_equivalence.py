@@ -72,7 +72,8 @@ def test_bfloat16_matches_oracle(dispatcher, skew):
   assert_matches_oracle(layer, mesh_of((2, 4), DATA_EXPERT), BF16_RTOL, dispatcher)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7]], ids=_case_id)
+@pytest.mark.parametrize("case", [pytest.param(CASES[0], marks=pytest.mark.slow),
+                                  pytest.param(CASES[5], marks=pytest.mark.slow), CASES[7]], ids=_case_id)
 def test_all_to_all_by_gathers_matches_oracle(case):
   """`AllToAll(gathers=True)`: every row move a gather both ways (`row_maps`), values and gradients. Mutants
   killed: a slot's offset not counted from its destination's first pair; expand's backward summing
