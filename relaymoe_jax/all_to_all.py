@@ -120,7 +120,7 @@ def _a2a_device_gathers(x_TD, idx_TK, w_TK, w_gate_LDF, w_up_LDF, w_down_LFD, *,
   y_MD = jnp.where((jnp.arange(n * slots) < sizes_L.sum())[:, None], y_MD, 0.0).astype(x_TD.dtype)
   back_NCD = row_maps.permute(y_MD, inverse_M, order_M).reshape(recv_NCD.shape)
   ret_SD = jax.lax.all_to_all(back_NCD, axis, 0, 0).reshape(n * slots, -1)  # home again
-  y_TD = row_maps.combine(ret_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, jnp.float32)
+  y_TD = row_maps.combine(ret_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, jnp.float32, layout.sum_tensor_partials)
   return layout.sum_tensor_partials(y_TD).astype(x_TD.dtype)  # ETP: each device summed a slice of F
 
 

@@ -64,19 +64,21 @@ def _permute_bwd(residuals, dy_MD):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def combine(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype):
-  """[T, D] in `out_dtype`: Σ_k w_TK · y[slot_TK] over the kept pairs, in float32."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def combine(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype, sum_partials):
+  """[T, D] in `out_dtype`: Σ_k w_TK · y[slot_TK] over the kept pairs, in float32. `sum_partials`: where y holds
+  partial sums (expert tensor parallelism: a slice of F each), their sum over the devices; the router weights'
+  gradient needs it, which plain autodiff would have placed."""
   picked_TKD = jnp.where(kept_TK[..., None], y_SD[slot_TK].astype(jnp.float32), 0.0)
   return jnp.einsum("tkd,tk->td", picked_TKD, w_TK.astype(jnp.float32)).astype(out_dtype)
 
 
-def _combine_fwd(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype):
-  out = combine(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype)
+def _combine_fwd(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype, sum_partials):
+  out = combine(y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S, out_dtype, sum_partials)
   return out, (y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S)
 
 
-def _combine_bwd(out_dtype, residuals, dy_TD):
+def _combine_bwd(out_dtype, sum_partials, residuals, dy_TD):
   y_SD, w_TK, slot_TK, kept_TK, tok_S, valid_S = residuals
   dy_TD = dy_TD.astype(jnp.float32)
   # Each valid slot holds one pair (t, k): its weight, read back through the same map.
@@ -84,7 +86,7 @@ def _combine_bwd(out_dtype, residuals, dy_TD):
       w_TK.astype(jnp.float32), mode="drop")
   dy_SD = (_rows(dy_TD, tok_S, valid_S) * w_S[:, None]).astype(y_SD.dtype)
   picked_TKD = jnp.where(kept_TK[..., None], y_SD[slot_TK].astype(jnp.float32), 0.0)
-  dw_TK = jnp.einsum("tkd,td->tk", picked_TKD, dy_TD).astype(w_TK.dtype)
+  dw_TK = sum_partials(jnp.einsum("tkd,td->tk", picked_TKD, dy_TD)).astype(w_TK.dtype)
   return dy_SD, dw_TK, None, None, None, None
 
 

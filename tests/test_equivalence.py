@@ -363,7 +363,7 @@ def test_full_table_float32_matches_oracle(case, dispatcher):
 
 @pytest.mark.parametrize("dispatcher, options", [("ring_expert", {}), ("ring_token", {}), ("all_to_all", {}),
                                                  ("ring_expert", {"reverse_backward": True}),
-                                                 pytest.param("all_to_all", {"gathers": True}, marks=pytest.mark.slow)])
+                                                 ("all_to_all", {"gathers": True})])
 @pytest.mark.parametrize("skew", [False, True])
 def test_expert_tensor_parallel_matches_oracle(dispatcher, options, skew):
   """(2 data × 2 expert × 2 tensor): tokens over data and expert, F of every expert split over tensor."""
