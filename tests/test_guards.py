@@ -235,7 +235,7 @@ def test_the_profiles_analysis_and_an_eval_inside_its_window_are_not_step_time(t
   monkeypatch.setattr(StepProfiler, "summarize", slow_summarize)
   def slow_eval(self, params):
     time.sleep(2.0)
-    return dict(eval_loss=1.0, eval_s=2.0)
+    return dict(eval_loss=1.0, eval_ppl=2.718, eval_tokens=16, eval_s=2.0)  # an Evaluator's whole record
 
   monkeypatch.setattr(Evaluator, "__call__", slow_eval)
   config = tiny_run(tmp_path, steps=4, checkpoint_every=0, eval=EvalConfig(every=1, batches=1))
