@@ -70,9 +70,12 @@ def _parse(argv):
                       "(eval.path, eval.fraction or the synthetic language's held-out samples); train nothing")
   parser.add_argument("--profile", metavar="START:COUNT", help="trace steps START to START+COUNT-1 into "
                       "OUT/profile/ and print their device time by part of the model")
-  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
-  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
-  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
+  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"),
+                      help="several processes: process 0's host:port (also RELAYMOE_COORDINATOR; docs/multi_node.md)")
+  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"),
+                      help="several processes: how many (also RELAYMOE_NUM_PROCESSES)")
+  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"),
+                      help="several processes: this one's, 0 to N-1 (also RELAYMOE_PROCESS_ID)")
   parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
   parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
                       help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
@@ -198,9 +201,12 @@ def _parse_plan(argv):
                       "machine's GPU)")
   parser.add_argument("--out", help="write plan.json here (default: the run's out_dir)")
   parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
-  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"))
-  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"))
-  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"))
+  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"),
+                      help="several processes: process 0's host:port (also RELAYMOE_COORDINATOR; docs/multi_node.md)")
+  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"),
+                      help="several processes: how many (also RELAYMOE_NUM_PROCESSES)")
+  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"),
+                      help="several processes: this one's, 0 to N-1 (also RELAYMOE_PROCESS_ID)")
   parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
                       help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
   parser.add_argument("overrides", nargs="*", metavar="key=value")
