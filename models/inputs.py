@@ -5,12 +5,10 @@ document: `[0, 1, 0]` had the third span attend to the first)."""
 
 import math
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models.attention.documents import document_starts, segment_positions
-from relaymoe_jax.errors import UserError
+from relaymoe_jax.errors import UserError, check_ids_in_range
 
 
 def checked_inputs(tokens_BS, segment_ids_BS, positions_BS, vocab_size):
@@ -24,7 +22,7 @@ def checked_inputs(tokens_BS, segment_ids_BS, positions_BS, vocab_size):
       raise UserError(f"{name} is {x.dtype}; it must be integers")
     if x is not None and x.shape != tokens_BS.shape:
       raise UserError(f"{name} has shape {tuple(x.shape)} and tokens_BS {tuple(tokens_BS.shape)}: one per token")
-  _check_ids(tokens_BS, vocab_size)
+  check_ids_in_range(tokens_BS, vocab_size, "tokens_BS", "a token id")  # traced: `embed` gives NaN
   if segment_ids_BS is None:
     return None, positions_BS
   segment_ids_BS = jnp.cumsum(document_starts(segment_ids_BS), axis=1, dtype=jnp.int32) - 1
@@ -38,17 +36,6 @@ def check_rows(rows, mesh, axes):
     over = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
     raise UserError(f"tokens_BS has {rows} rows, which do not split over the mesh's {shards} shards of rows ({over}): "
                     f"give a multiple of {shards}")
-
-
-def _check_ids(tokens_BS, vocab_size):
-  if isinstance(tokens_BS, jax.core.Tracer) or not getattr(tokens_BS, "is_fully_addressable", True):
-    return
-  ids_BS = np.asarray(tokens_BS)
-  bad = np.argwhere((ids_BS < 0) | (ids_BS >= vocab_size))
-  if bad.size:
-    b, s = bad[0]
-    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    raise UserError(f"tokens_BS[{b}, {s}] = {ids_BS[b, s]} is not a token id in [0, {vocab_size}){more}")
 
 
 def embed(table_VD, tokens_BS):

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from relaymoe_jax import activations, placement
@@ -21,7 +20,7 @@ from relaymoe_jax.all_to_all import AllToAll
 from relaymoe_jax.ring.auto import Auto
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.dense import Dense, dense_moe
-from relaymoe_jax.errors import UserError
+from relaymoe_jax.errors import UserError, check_ids_in_range
 from relaymoe_jax.kernels.grouped_matmul import matmul_precision, resolve_backend
 from relaymoe_jax.layout import ExpertLayout, block_mesh, shard_map_over_free_axes
 from relaymoe_jax.ring.expert import RingExpert
@@ -107,16 +106,8 @@ def _check_inputs(x_TD, idx_TK, w_TK, w_gate_EDF, w_up_EDF, w_down_EFD, layout):
 
 
 def _check_expert_ids(idx_TK, num_experts):
-  """Rejects ids outside [0, E) where their values are known here: not traced, and every shard on this process.
-  (Traced ids cannot be checked; the pair plan makes such a pair contribute nothing.)"""
-  if isinstance(idx_TK, jax.core.Tracer) or not getattr(idx_TK, "is_fully_addressable", True):
-    return
-  ids_TK = np.asarray(idx_TK)
-  bad = np.argwhere((ids_TK < 0) | (ids_TK >= num_experts))
-  if bad.size:
-    t, k = bad[0]
-    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    raise UserError(f"idx_TK[{t}, {k}] = {ids_TK[t, k]} is not an expert id in [0, {num_experts}){more}")
+  """Traced ids cannot be checked: the pair plan makes such a pair contribute nothing."""
+  check_ids_in_range(idx_TK, num_experts, "idx_TK", "an expert id")
 
 
 class DispatchStats(NamedTuple):

@@ -4,7 +4,9 @@ On a GPU machine, `pytest` runs on the real GPUs (cases whose mesh needs more de
 the reason); `JAX_PLATFORMS=cpu pytest` runs everything on 8 emulated CPU devices, as CI does.
 """
 
+import functools
 import os
+import struct
 
 import chex
 
@@ -19,8 +21,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from tensorboardX.proto import event_pb2  # noqa: E402
 
 import relaymoe_jax.testing as rmt  # noqa: E402
+from train.config import MeshConfig  # noqa: E402
+from train.mesh import build_mesh  # noqa: E402
 
 # No persistent compilation cache in the test process, even after a test ran the trainer's CLI in-process (which
 # turns it on): JAX gives every ppermute channel id 1, and a program XLA:CPU read back from that cache ran two of its
@@ -39,6 +44,27 @@ def _own_working_directory(tmp_path_factory, monkeypatch):
 
 random_layer = rmt.random_moe_inputs
 relative_error = rmt.relative_error
+
+
+def tensorboard_events(directory):
+  """Every TensorBoard event written under `directory` (TFRecord: length, CRC, data, CRC)."""
+  for path in directory.rglob("events*"):
+    data = path.read_bytes()
+    while data:
+      (length,) = struct.unpack("<Q", data[:8])
+      yield event_pb2.Event.FromString(data[12:12 + length])
+      data = data[12 + length + 4:]
+
+
+def tensorboard_scalars(directory):
+  """{(step, tag): value} of every scalar written under `directory`."""
+  return {(e.step, v.tag): v.simple_value for e in tensorboard_events(directory) for v in e.summary.value}
+
+
+@functools.cache
+def trainer_mesh():
+  """The trainer's mesh of `--config cpu`: 2 data × 4 expert."""
+  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
 
 
 def requires_devices(count):

@@ -11,7 +11,6 @@ import functools
 import json
 import math
 import pathlib
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +18,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tensorboardX.proto import event_pb2
 
-from conftest import requires_devices
+from conftest import requires_devices, tensorboard_scalars
 from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
@@ -129,14 +127,7 @@ def test_eval_rows_reach_tensorboard_and_metrics_jsonl(tmp_path):
   log.write(dict(step=4, **values))
   log.tensorboard.close()
   assert json.loads((tmp_path / "metrics.jsonl").read_text()) == dict(step=4, **values)
-  scalars = {}
-  for path in (tmp_path / "tensorboard").rglob("events*"):
-    data = path.read_bytes()
-    while data:
-      (length,) = struct.unpack("<Q", data[:8])
-      event = event_pb2.Event.FromString(data[12:12 + length])
-      data = data[12 + length + 4:]
-      scalars |= {(event.step, v.tag): v.simple_value for v in event.summary.value}
+  scalars = tensorboard_scalars(tmp_path / "tensorboard")
   assert {(4, k): pytest.approx(v) for k, v in values.items()} == scalars
 
 

@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_close, requires_devices
+from conftest import assert_close, requires_devices, trainer_mesh
 from models import families
 from models.attention.context_parallel import to_held_order, to_sequence_order
 from models.attention.gated_delta import gated_delta_rule
 from models.attention.gated_delta_context import context_gated_delta_rule
 from models.runtime import RuntimeConfig
-from train.config import MeshConfig
-from train.mesh import build_mesh
 
 # 8 chunks of 8 tokens over the 4 expert devices; 8 rows, as the model without context parallelism splits rows over
 # all 8 devices.
@@ -37,14 +35,9 @@ def _eight_devices():
 
 
 @functools.cache
-def _mesh():
-  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
-
-
-@functools.cache
 def _models():
   """(without, with context parallelism): the same parameters, only the runtime differs."""
-  config, mesh = families.load_config("qwen3.5-tiny"), _mesh()
+  config, mesh = families.load_config("qwen3.5-tiny"), trainer_mesh()
   runtime = dict(dtype="float32", dispatcher="dense")
   plain = families.create_sharded(config, mesh, runtime=RuntimeConfig(**runtime))
   split = families.create_sharded(config, mesh, seed=1, runtime=RuntimeConfig(**runtime, context_parallel=True))
@@ -114,7 +107,7 @@ def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids, state_
     return jnp.sum(gated_delta_rule(*args, segment_ids=segment_ids)[0] * w)
 
   def split(*args):
-    o, _ = context_gated_delta_rule(*map(held, args), mesh=_mesh(), segment_ids=held(segment_ids),
+    o, _ = context_gated_delta_rule(*map(held, args), mesh=trainer_mesh(), segment_ids=held(segment_ids),
                                     state_kernel=state_kernel)
     return jnp.sum(to_sequence_order(o, 4) * w)
 

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
 import time
 
 import jax
@@ -13,9 +12,8 @@ import numpy as np
 from jax._src import profiler as jax_profiler
 import pytest
 from flax import nnx
-from tensorboardX.proto import event_pb2
 
-from conftest import requires_devices
+from conftest import requires_devices, tensorboard_scalars
 from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
 from models.qwen35.config import load_config as load_qwen35_config
@@ -33,18 +31,6 @@ from train.metrics import MetricsLog
 from train.profile import window as window_module
 from train.profile.window import StepProfiler, Window, check_window
 from train.step import BAD_BIAS, non_finite_state
-
-
-def tensorboard_scalars(directory):
-  scalars = {}
-  for path in directory.rglob("events*"):
-    data = path.read_bytes()
-    while data:
-      (length,) = struct.unpack("<Q", data[:8])
-      event = event_pb2.Event.FromString(data[12:12 + length])
-      data = data[12 + length + 4:]
-      scalars |= {(event.step, v.tag): v.simple_value for v in event.summary.value}
-  return scalars
 
 
 def test_tensorboard_worst_layer_is_the_worst_layer_not_a_sum(tmp_path):

@@ -16,15 +16,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from conftest import CONTEXT_MESHES, mesh_of, place_tokens, requires_devices
+from conftest import CONTEXT_MESHES, mesh_of, place_tokens, requires_devices, trainer_mesh
 import relaymoe_jax as rm
 from models.hf import transfer as hf, safetensors_io
 from models.qwen3 import hf_config, hf_names
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
-from train.config import MeshConfig
-from train.mesh import build_mesh
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 FAMILIES = ("qwen3_moe", "qwen2_moe")
@@ -34,11 +32,6 @@ LOGITS_ATOL = 1e-4
 @pytest.fixture(autouse=True)
 def _eight_devices():
   requires_devices(8)
-
-
-@functools.cache
-def _mesh():
-  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
 
 
 @functools.cache
@@ -52,7 +45,7 @@ _logits = nnx.jit(lambda model, tokens: model(tokens))  # one compile per config
 
 def _from_hf(path, param_dtype="float32", **runtime):
   """The model of a Hugging Face directory, float32 parameters and compute, `runtime` fields on top."""
-  return hf.from_hf(path, mesh=_mesh(), runtime=RuntimeConfig(**{"dtype": "float32", **runtime}),
+  return hf.from_hf(path, mesh=trainer_mesh(), runtime=RuntimeConfig(**{"dtype": "float32", **runtime}),
                     param_dtype=param_dtype)
 
 
@@ -149,7 +142,7 @@ def _spec(array):
 def test_parameters_load_into_the_models_own_sharding(overrides):
   config = hf_config.config_from_hf(FIXTURES / "qwen3_moe", param_dtype="float32")
   model = _from_hf(FIXTURES / "qwen3_moe", **overrides)
-  _, _, abstract = hf.abstract_state(config, _mesh(), RuntimeConfig(dtype="float32", **overrides))
+  _, _, abstract = hf.abstract_state(config, trainer_mesh(), RuntimeConfig(dtype="float32", **overrides))
   loaded = hf_names.param_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   assert loaded.keys() == abstract.keys()
   for path, array in loaded.items():
@@ -189,7 +182,7 @@ def test_bfloat16_checkpoint_loads_and_exports_bit_exactly(tmp_path):
   as_f32 = _from_hf(source)
   expected = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in _params(_loaded("qwen3_moe")).items()}
   _assert_same_params(_params(as_f32), expected)
-  as_bf16 = hf.from_hf(source, mesh=_mesh(), param_dtype="bfloat16")
+  as_bf16 = hf.from_hf(source, mesh=trainer_mesh(), param_dtype="bfloat16")
   hf.to_hf(as_bf16, tmp_path / "out")
   assert_same_tensors(tmp_path / "out", source)
   assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -237,7 +230,7 @@ def test_a_router_bias_starts_at_zero_on_import_and_is_left_out_of_export(tmp_pa
   """Qwen3-MoE has no field for loss-free balancing's bias: imported, it is zero; exported, the same tensors as
   without it, and a warning says so."""
   path = FIXTURES / "qwen3_moe"
-  model = hf.from_hf(path, mesh=_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
+  model = hf.from_hf(path, mesh=trainer_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"),
                      router_bias_update_rate=0.01)
   biases = [v for k, v in hf_names.param_paths(nnx.to_pure_dict(nnx.state(model))).items() if k[-1] == "router_bias_E"]
   assert biases and not any(np.any(np.asarray(b)) for b in biases)

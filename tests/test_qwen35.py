@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import requires_devices
+from conftest import requires_devices, trainer_mesh
 import relaymoe_jax as rm
 import relaymoe_jax.testing as rmt
 from models import families
@@ -47,11 +47,6 @@ def _eight_devices(request):
 
 
 @functools.cache
-def _mesh():
-  return build_mesh(MeshConfig(data=2, expert=4, tensor=1))
-
-
-@functools.cache
 def _reference(length):
   ref = np.load(FIXTURES / TEXT / "reference.npz")
   return (np.tile(ref["tokens"][:, :length], (ROWS // 2, 1)).astype(np.int32),
@@ -60,7 +55,7 @@ def _reference(length):
 
 @functools.cache
 def _loaded(family=TEXT, **runtime):
-  return hf.from_hf(FIXTURES / family, mesh=_mesh(),
+  return hf.from_hf(FIXTURES / family, mesh=trainer_mesh(),
                     runtime=RuntimeConfig(**{"dtype": "float32", "dispatcher": "dense", **runtime}))
 
 
@@ -89,7 +84,7 @@ def test_both_checkpoint_layouts_load_the_same_parameters():
 
 
 def test_the_multimodal_checkpoints_extras_are_named_as_left_out(caplog):
-  hf.from_hf(FIXTURES / MULTIMODAL, mesh=_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"))
+  hf.from_hf(FIXTURES / MULTIMODAL, mesh=trainer_mesh(), runtime=RuntimeConfig(dtype="float32", dispatcher="dense"))
   assert "model.visual.* (21 tensors), mtp.* (41 tensors)" in caplog.text
 
 
@@ -97,7 +92,7 @@ def test_the_multimodal_checkpoints_extras_are_named_as_left_out(caplog):
 def _random(**runtime):
   """The tiny config's model with its own initialisation: small weights, so float32 rounding stays near 1e-7 (the
   fixture's random weights amplify it to 4e-4 between two compiles of the same model)."""
-  return families.create_sharded(families.load_config("qwen3.5-tiny"), _mesh(),
+  return families.create_sharded(families.load_config("qwen3.5-tiny"), trainer_mesh(),
                                  runtime=RuntimeConfig(**{"dtype": "float32", "dispatcher": "dense", **runtime}))
 
 
@@ -124,7 +119,7 @@ def test_export_reads_back_the_same_model(tmp_path):
   hf.to_hf(model, tmp_path, max_shard_bytes=200_000)
   config = read_hf_config(tmp_path)[0]
   assert config["model_type"] == TEXT and config["layer_types"][3] == FULL
-  back = hf.from_hf(tmp_path, mesh=_mesh(), runtime=model.runtime)
+  back = hf.from_hf(tmp_path, mesh=trainer_mesh(), runtime=model.runtime)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(back, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

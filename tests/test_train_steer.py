@@ -3,13 +3,12 @@ metrics.jsonl and TensorBoard against the step's own counts, the router bias mov
 checkpoints, and a zero rate changing nothing."""
 
 import json
-import struct
 
 import jax
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
+from conftest import tensorboard_events
 from test_train import tiny_run, _eight_devices  # noqa: F401  (the trainer's fixtures)
 from train.rundir.checkpoints import Checkpoints
 from train.step import abstract_train_state
@@ -23,17 +22,8 @@ LISTS = ("expert_load_max", "expert_load_min", "expert_load_cv", "dead_experts",
 
 
 def _events(directory):
-  """Every TensorBoard event's (step, tag, kind) written under `directory` (TFRecord: length, CRC, data, CRC)."""
-  out = []
-  for path in directory.rglob("events*"):
-    data = path.read_bytes()
-    while data:
-      (length,) = struct.unpack("<Q", data[:8])
-      event = event_pb2.Event.FromString(data[12:12 + length])
-      data = data[12 + length + 4:]
-      for value in event.summary.value:
-        out.append((event.step, value.tag, value.WhichOneof("value")))
-  return out
+  """Every TensorBoard value's (step, tag, kind) written under `directory`."""
+  return [(e.step, v.tag, v.WhichOneof("value")) for e in tensorboard_events(directory) for v in e.summary.value]
 
 
 @pytest.mark.slow  # trains two runs of its own (compiles ~1-2 min on 2 cores); CI's second step runs it

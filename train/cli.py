@@ -48,6 +48,20 @@ def _keys_help():
           "docs/training.md has every option; docs/errors.md the exit statuses.")
 
 
+def _add_start_options(parser):
+  """What both commands take to start JAX (devices, several processes), --debug, and key=value overrides."""
+  parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
+  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"),
+                      help="several processes: process 0's host:port (also RELAYMOE_COORDINATOR; docs/multi_node.md)")
+  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"),
+                      help="several processes: how many (also RELAYMOE_NUM_PROCESSES)")
+  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"),
+                      help="several processes: this one's, 0 to N-1 (also RELAYMOE_PROCESS_ID)")
+  parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
+                      help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
+  parser.add_argument("overrides", nargs="*", metavar="key=value")
+
+
 def _parse(argv):
   parser = argparse.ArgumentParser(
       prog="relaymoe-train", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,16 +84,7 @@ def _parse(argv):
                       "(eval.path, eval.fraction or the synthetic language's held-out samples); train nothing")
   parser.add_argument("--profile", metavar="START:COUNT", help="trace steps START to START+COUNT-1 into "
                       "OUT/profile/ and print their device time by part of the model")
-  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"),
-                      help="several processes: process 0's host:port (also RELAYMOE_COORDINATOR; docs/multi_node.md)")
-  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"),
-                      help="several processes: how many (also RELAYMOE_NUM_PROCESSES)")
-  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"),
-                      help="several processes: this one's, 0 to N-1 (also RELAYMOE_PROCESS_ID)")
-  parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
-  parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
-                      help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
-  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  _add_start_options(parser)
   return parser.parse_intermixed_args(argv)  # key=value overrides may come before and after options
 
 
@@ -200,16 +205,7 @@ def _parse_plan(argv):
   parser.add_argument("--target-config", help="with --topology: a GpuTargetConfigProto text file (default: this "
                       "machine's GPU)")
   parser.add_argument("--out", help="write plan.json here (default: the run's out_dir)")
-  parser.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices per process (no GPU)")
-  parser.add_argument("--coordinator", default=os.environ.get("RELAYMOE_COORDINATOR"),
-                      help="several processes: process 0's host:port (also RELAYMOE_COORDINATOR; docs/multi_node.md)")
-  parser.add_argument("--num-processes", type=int, default=os.environ.get("RELAYMOE_NUM_PROCESSES"),
-                      help="several processes: how many (also RELAYMOE_NUM_PROCESSES)")
-  parser.add_argument("--process-id", type=int, default=os.environ.get("RELAYMOE_PROCESS_ID"),
-                      help="several processes: this one's, 0 to N-1 (also RELAYMOE_PROCESS_ID)")
-  parser.add_argument("--debug", action="store_true", default=bool(os.environ.get("RELAYMOE_DEBUG")),
-                      help="show the traceback of an error (also RELAYMOE_DEBUG=1)")
-  parser.add_argument("overrides", nargs="*", metavar="key=value")
+  _add_start_options(parser)
   return parser.parse_intermixed_args(argv)
 
 
