@@ -172,6 +172,9 @@ def _train(run_config, resume, checkpoints, stop, profile):
   moe_layers = [i for i in range(model_config.num_hidden_layers) if model_config.is_sparse(i)]
   log = MetricsLog(out, run_config.steps, start, run_config.tensorboard, moe_layers)
   evaluator = held_out and Evaluator(run_config, held_out, step.graphdef, state.params, mesh, stop.requested)
+  if evaluator:
+    log_on_process_0(f"held-out loss: forward compiled for {run_config.micro_batch_size} rows at a time, "
+                     f"{size(rm.compiled_bytes(evaluator.compiled))} per device")
   profiler = profile and StepProfiler(profile, out / "profile", compiled, b * s, flops_per_step, peak)
   history, last_eval = [], None
   pending = None  # (step, metrics of that step) still on device: read one step late
