@@ -191,17 +191,22 @@ def main(argv=None):
   if unknown:
     parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
   heads = (args.key_heads, args.value_heads, args.head_dim)
+  meta = dict(harness.machine(jax), command=harness.command_line("gated_deltanet", argv),
+              key_heads=args.key_heads, value_heads=args.value_heads, head_dim=args.head_dim)
   rows = []
   for shape in args.shapes.split(","):
     batch, tokens = map(int, shape.split("x"))
     for variant in args.variants.split(","):
       rows.append(dict(shape=shape, variant=variant, **measure(variant, (batch, tokens), heads, args.iters)))
       print(rows[-1], flush=True)
-  meta = dict(harness.machine(jax), command=harness.command_line("gated_deltanet", argv),
-              key_heads=args.key_heads, value_heads=args.value_heads, head_dim=args.head_dim)
-  text = f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}"
-  harness.write_json(dict(meta=meta, rows=rows), args.out)
-  print(harness.write_table(text, args.out))
+      write(meta, rows, args.out)  # after each row: a run cut short keeps what it measured
+  print(write(meta, rows, args.out))
+
+
+def write(meta, rows, out):
+  """The JSON and table of `rows` so far; returns the table's text."""
+  harness.write_json(dict(meta=meta, rows=rows), out)
+  return harness.write_table(f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}", out)
 
 
 if __name__ == "__main__":

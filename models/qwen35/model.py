@@ -137,9 +137,9 @@ class GatedDeltaNet(qwen3.Layer):
       return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)
 
 
-# Whether the model runs the Pallas state kernels on GPUs: once they have compiled and passed `pytest -m gpu` on one,
-# which they have not yet (written where no GPU was lent). `gated_delta_rule(state_kernel="pallas")` runs them.
-KERNELS_ON_GPU = False
+# The Pallas state kernels on GPUs: they pass `pytest -m gpu` against the XLA form and take half its time on an H200
+# (benchmarks/results/gated_deltanet.txt). False keeps XLA's scan everywhere.
+KERNELS_ON_GPU = True
 
 
 def delta_state_kernel(runtime, platform):
