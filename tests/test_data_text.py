@@ -171,3 +171,24 @@ def test_a_short_run_trains_on_tokenised_text(tmp_path, tokenizer):
   assert history[0]["loss"] == pytest.approx(math.log(96), abs=0.3)
   saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["run"]["data"]
   assert saved["tokenizer"] == str(tmp_path / "tokenizer.json") and os.path.exists(saved["path"])
+
+
+def test_a_qwen35_tokenizer_file_reads_as_transformers_encodes(tmp_path):
+  """Qwen3.5's tokenizer.json as transformers writes it (NFC, its split pattern that keeps combining marks with their
+  letters, byte-level BPE, `<|endoftext|>` after each document), on a small vocabulary: the checkpoint's own file is
+  not reachable here, and it differs from this one only in its merges."""
+  transformers = pytest.importorskip("transformers")
+  from tokenizers.pre_tokenizers import ByteLevel
+  alphabet = ByteLevel.alphabet()
+  vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}
+  merges = [("t", "h"), ("th", "e"), ("Ġ", "r"), ("Ġr", "i")]
+  vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+  qwen = transformers.Qwen3_5Tokenizer(vocab=vocab, merges=merges)
+  qwen.save_pretrained(tmp_path / "qwen")
+  documents = ["the ring turns", "Cafe\u0301 au lait", "the relay\u00a0passes 12 tokens"]  # a combining accent
+  corpus = tmp_path / "corpus.jsonl"
+  write_jsonl(corpus, [{"text": d} for d in documents])
+  config = DataConfig(kind="text", path=str(corpus), tokenizer=str(tmp_path / "qwen" / "tokenizer.json"))
+  source = make_source(config, vocab_size=len(vocab))
+  assert source.eos == 0
+  assert source.tokens.tolist() == [i for d in documents for i in (*qwen.encode(d, add_special_tokens=False), 0)]
