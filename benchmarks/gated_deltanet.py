@@ -9,6 +9,7 @@ Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-no
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
 `jax.value_and_grad` of Σ o ⊙ w over q, k, v, g and β (fla: `backward` of the same sum).
   pallas   `gated_delta_rule(state_kernel="pallas")`: the loop over chunks as this project's Pallas kernels;
+  pallas_bf16chunks  the same with `chunk_dtype=bfloat16`: the chunks' own matmuls on bfloat16 operands too;
   xla      `gated_delta_rule`: the same chunked form with the loop as a `lax.scan`;
   maxtext  MaxText's training formulation, written here from its description (`maxtext_gated_delta_rule`):
            float32 math at HIGHEST precision, chunk 64, `solve_triangular` for (I + A)⁻¹, u and w cast to bf16,
@@ -33,7 +34,7 @@ from benchmarks import harness
 from benchmarks.cp_attention import seconds
 from models.attention.gated_delta import gated_delta_rule
 
-VARIANTS = ("pallas", "xla", "maxtext", "fla")
+VARIANTS = ("pallas", "pallas_bf16chunks", "xla", "maxtext", "fla")
 
 
 def inputs(batch, tokens, key_heads, value_heads, head_dim, seed=0):
@@ -88,7 +89,9 @@ def maxtext_gated_delta_rule(q, k, v, g, beta, chunk_size=64, compute_dtype=jnp.
 def jax_rule(variant):
   if variant == "maxtext":
     return maxtext_gated_delta_rule
-  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, state_kernel=variant)[0]
+  kernel, _, chunks = variant.partition("_")
+  chunk_dtype = jnp.bfloat16 if chunks == "bf16chunks" else None
+  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, state_kernel=kernel, chunk_dtype=chunk_dtype)[0]
 
 
 def jax_steps(variant):
@@ -143,7 +146,7 @@ def measure(variant, shape, heads, iters):
   batch, tokens = shape
   args = inputs(batch, tokens, *heads)
   gpu = jax.default_backend() == "gpu"
-  if variant in ("pallas", "fla") and not gpu:
+  if (variant.startswith("pallas") or variant == "fla") and not gpu:
     return dict(fwd_ms=None, fwd_bwd_ms=None, note="needs a GPU")
   try:
     return measure_fla(args, iters) if variant == "fla" else measure_jax(variant, args, iters)

@@ -38,6 +38,14 @@ def _einsum(spec, *operands):
   return jnp.einsum(spec, *operands, precision=_PRECISION)
 
 
+def _chunk_einsum(spec, a, b, dtype):
+  """A state-independent matmul of the chunked form: float32 at full precision (dtype None), or `dtype` operands
+  with float32 accumulation (fla's choice for bfloat16 models)."""
+  if dtype is None:
+    return _einsum(spec, a, b)
+  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def _l2_normalize(x_BSHK):
   return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
 
@@ -106,8 +114,8 @@ class _Chunks(NamedTuple):
   decay_BNH: jax.Array  # c exp(Γ_C)
 
 
-def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_size, l2_normalize):
-  """Everything that does not depend on the state, for all chunks at once."""
+def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_size, l2_normalize, chunk_dtype=None):
+  """Everything that does not depend on the state, for all chunks at once (`chunk_dtype`: see `_chunk_einsum`)."""
   q_BSHK, k_BSHK = _prepare_qk(q_BSHK, k_BSHK, v_BSHV.shape[2], l2_normalize)
   to_BNHC = lambda x: jnp.moveaxis(_to_chunks(x.astype(jnp.float32), chunk_size), 3, 2)
   q_BNHCK, k_BNHCK, v_BNHCV = to_BNHC(q_BSHK), to_BNHC(k_BSHK), to_BNHC(v_BSHV)
@@ -128,15 +136,15 @@ def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_siz
   decay_BNHCC = jnp.where(mask_BN1CC, jnp.exp(jnp.where(mask_BN1CC, diff_BNHCC, 0.0)), 0.0)
   gamma_end_BNH1 = gamma_BNHC[..., -1:]
 
-  a_BNHCC = _einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK) * beta_BNHC[..., None] * decay_BNHCC
+  a_BNHCC = _chunk_einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK, chunk_dtype) * beta_BNHC[..., None] * decay_BNHCC
   inv_BNHCC = _unit_lower_inverse(a_BNHCC)
   wk_BNHCK = k_BNHCK * (beta_BNHC * reads_BN1C * jnp.exp(gamma_BNHC))[..., None]
   return _Chunks(
       qd_BNHCK=q_BNHCK * (reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
       kd_BNHCK=k_BNHCK * (writes_BN1C * jnp.exp(gamma_end_BNH1 - gamma_BNHC))[..., None],
-      p_BNHCC=_einsum("bnhrk,bnhsk->bnhrs", q_BNHCK, k_BNHCK) * decay_BNHCC,
-      u_BNHCV=_einsum("bnhrs,bnhsv->bnhrv", inv_BNHCC, v_BNHCV * beta_BNHC[..., None]),
-      w_BNHCK=_einsum("bnhrs,bnhsk->bnhrk", inv_BNHCC, wk_BNHCK),
+      p_BNHCC=_chunk_einsum("bnhrk,bnhsk->bnhrs", q_BNHCK, k_BNHCK, chunk_dtype) * decay_BNHCC,
+      u_BNHCV=_chunk_einsum("bnhrs,bnhsv->bnhrv", inv_BNHCC, v_BNHCV * beta_BNHC[..., None], chunk_dtype),
+      w_BNHCK=_chunk_einsum("bnhrs,bnhsk->bnhrk", inv_BNHCC, wk_BNHCK, chunk_dtype),
       decay_BNH=keeps_BN1 * jnp.exp(gamma_end_BNH1[..., 0]),
   )
 
@@ -173,8 +181,8 @@ def _kernel_state_pass(chunks, state_BHKV, out_dtype):
 STATE_KERNELS = ("xla", "pallas")
 
 
-def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
-  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
+def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
+  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize, chunk_dtype)
   if state_kernel == "pallas":
     o_BSHV, state_BHKV = _kernel_state_pass(chunks, state_BHKV.astype(jnp.float32), v.dtype)
   else:
@@ -182,21 +190,21 @@ def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normal
   return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
-  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
+  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
 
 
-def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel):
-  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
+def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
+  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
   # Only the inputs are kept: per-chunk states would cost N·H·K·V floats per sequence and layer.
   return out, (q, k, v, g, beta, seg_BS, state_BHKV)
 
 
-def _chunked_bwd(chunk_size, l2_normalize, state_kernel, residuals, cotangents):
+def _chunked_bwd(chunk_size, l2_normalize, state_kernel, chunk_dtype, residuals, cotangents):
   q, k, v, g, beta, seg_BS, state_BHKV = residuals
   forward = lambda q, k, v, g, beta, s: _chunked_forward(
-      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, state_kernel)
+      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, state_kernel, chunk_dtype)
   _, vjp = jax.vjp(forward, q, k, v, g, beta, state_BHKV)
   dq, dk, dv, dg, dbeta, dstate = vjp(cotangents)
   return dq, dk, dv, dg, dbeta, None, dstate
@@ -212,7 +220,7 @@ def _initial_state(initial_state, v_BSHV, key_dim):
 
 
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
-                     l2_normalize=True, output_final_state=False, state_kernel="xla"):
+                     l2_normalize=True, output_final_state=False, state_kernel="xla", chunk_dtype=None):
   """Gated delta rule, chunked form, with a memory-lean custom VJP.
 
   Args:
@@ -229,6 +237,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     output_final_state: also return the state after the last token.
     state_kernel: the loop over chunks as a `lax.scan` ("xla") or the Pallas kernels ("pallas": on GPUs; in Pallas'
       interpreter elsewhere), which take bfloat16 operands unless v is float32.
+    chunk_dtype: None: the matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
+      decayed K) in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in float32.
 
   Returns:
     (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
@@ -237,7 +247,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
   seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
-  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel)
+  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel,
+                                chunk_dtype)
   return o_BSHV, (state_BHKV if output_final_state else None)
 
 
