@@ -169,6 +169,20 @@ def test_packed_calls_hold_as_many_rows_as_their_temporaries_allow():
   assert rows(12, 1024, budget=5 << 29) == 4  # a divisor of the rows, not the most that fit (5)
 
 
+def test_the_runtime_sets_the_packed_bound(monkeypatch):
+  """`runtime.documents_per_row` reaches cuDNN's packed calls (stubbed: no GPU here); under 2 it is refused."""
+  seen = []
+  monkeypatch.setattr(cudnn_documents, "unavailable", lambda *_: None)
+  monkeypatch.setattr(cudnn_documents, "documents_attention_on", lambda q, *args: seen.append(args[-1]) or q)
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
+  runtime = RuntimeConfig(attention_implementation="cudnn", documents_per_row=32)
+  qwen3.attend_heads(q, q, q, 0.5, runtime, mesh, jnp.zeros((1, 8), jnp.int32))
+  assert seen == [32]
+  with pytest.raises(ValueError, match="documents_per_row=1 must be an integer ≥ 2"):
+    RuntimeConfig(documents_per_row=1)
+
+
 def test_context_parallel_tiles_skip_what_a_document_cannot_see():
   """Tile by tile over 4 devices (tiles of 4 rows): equal to the masked whole-row attention, values and grads."""
   requires_devices(4)
