@@ -17,8 +17,8 @@ heads, 4 K/V heads, head_dim 128), --batch sequences (one), bfloat16, forward an
   xla_tiles    the CP loop on XLA's tile pairs (`XLA_TILES`, 512 rows), only up to --xla-max-tokens;
   cudnn_documents  with --mean-doc: each row packed documents (exponential lengths of that mean) that do not see
                each other, on the model's path without CP (`models.attention.cudnn_documents`: cuDNN's packed layout, at
-               most --documents-per-row documents a row, else the bias path; --rows-per-call rows a call, 0: all,
-               auto: the model's choice, `rows_per_call`);
+               most --documents-per-row documents a row, else the tile loop over one device; --rows-per-call rows a
+               call, 0: all, auto: the model's choice, `rows_per_call`);
   cudnn_documents_bias  the same documents, their mask passed to `jax.nn.dot_product_attention` (a bias for cuDNN);
                the documents' TFLOP/s count every causal pair, the masked ones too.
 TFLOP/s count the causal pairs only (forward 4·S²/2·heads·head_dim, forward+backward 3.5× that); temporaries are

@@ -6,6 +6,7 @@ import dataclasses
 from typing import NamedTuple
 
 import relaymoe_jax as rm
+from models.attention.cudnn_documents import DOCUMENTS_PER_ROW
 from relaymoe_jax.errors import UserError
 
 # What a layer's backward recomputes, from the most memory to the least:
@@ -37,6 +38,9 @@ class RuntimeConfig:
   loss_chunk_tokens: int | str = LOSS_CHUNK_AUTO
   # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
   attention_implementation: str = "auto"
+  # M, the most packed documents a row holds in cuDNN's packed layout (Hopper GPUs, without context parallelism):
+  # its backward takes temporaries for M slots a row; a call with a fuller row is not packed (`cudnn_documents`).
+  documents_per_row: int = DOCUMENTS_PER_ROW
   # Split the parameters outside the experts (attention, embeddings, dense and shared MLPs) over ('data',
   # 'expert'), every device they would otherwise be replicated on (ZeRO-3); experts are split over 'expert' anyway.
   fsdp: bool = False
@@ -66,6 +70,8 @@ class RuntimeConfig:
                       f"{LOSS_CHUNK_AUTO!r}")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
       raise UserError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
+    if not (isinstance(self.documents_per_row, int) and self.documents_per_row >= 2):
+      raise UserError(f"documents_per_row={self.documents_per_row!r} must be an integer ≥ 2 (cuDNN's packed layout)")
     if self.dtype not in FLOAT_DTYPES:
       raise UserError(f"dtype={self.dtype!r} (the compute dtype) must be one of {list(FLOAT_DTYPES)}")
 

@@ -6,6 +6,7 @@ order only (observed ≤ 1e-6).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from conftest import assert_close, requires_devices
 from models.qwen3 import model as qwen3
 from models.attention.context_parallel import (XLA_TILES, balanced_order, context_attention, key_tiles_per_device,
-                                               skipped_tiles, tile_rows, to_held_order, to_sequence_order)
+                                               skipped_tiles, tile_loop_backward, tile_loop_forward, tile_rows,
+                                               to_held_order, to_sequence_order)
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from models.sharding import MESH_AXES
@@ -271,16 +274,7 @@ def test_context_parallel_tile_loop_skips_the_tiles_it_counts():
   rng = np.random.default_rng(5)
   q, k, v, do = (jnp.asarray(rng.normal(size=(1, s, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
   segments = np.repeat(np.arange(s // 6 + 1), 6)[None, :s].astype(np.int32)  # documents of 6 tokens
-  calls = {"forward": 0, "backward": 0}
-
-  def counted(name, kernel):
-    def call(*args, **kwargs):
-      jax.debug.callback(lambda: calls.__setitem__(name, calls[name] + 1))
-      return kernel(*args, **kwargs)
-    return call
-
-  kernels = XLA_TILES._replace(forward=counted("forward", XLA_TILES.forward),
-                               backward=counted("backward", XLA_TILES.backward))
+  calls, kernels = _counted_xla_tiles()
   order = balanced_order(s, ring)
 
   def sharded(q, k, v):
@@ -293,8 +287,80 @@ def test_context_parallel_tile_loop_skips_the_tiles_it_counts():
   expected = sum(key_tiles_per_device(s, ring, tile)) - sum(skipped_tiles(segments, ring, tile))
   assert sum(skipped_tiles(segments, ring, tile)) > 0
   assert calls == {"forward": expected, "backward": expected}, (calls, expected)
-  mask = jnp.asarray(segments[:, None, :, None] == segments[:, None, None, :])
+  _assert_documents_attention(segments, (q, k, v, do), (out, *grads))
+
+
+def _counted_xla_tiles():
+  """XLA's tile kernels counting their calls as they run: (the counts, the kernels)."""
+  calls = {"forward": 0, "backward": 0}
+
+  def counted(name, kernel):
+    def call(*args, **kwargs):
+      jax.debug.callback(lambda: calls.__setitem__(name, calls[name] + 1))
+      return kernel(*args, **kwargs)
+    return call
+
+  return calls, XLA_TILES._replace(forward=counted("forward", XLA_TILES.forward),
+                                   backward=counted("backward", XLA_TILES.backward))
+
+
+def _assert_documents_attention(segments_BS, inputs, got):
+  """`got` (out, dq, dk, dv) is float32 causal attention within the documents, `jax.nn.dot_product_attention`'s."""
+  q, k, v, do = inputs
+  mask = jnp.asarray(segments_BS[:, None, :, None] == segments_BS[:, None, None, :])
   ref, ref_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=8 ** -0.5,
                                                                      is_causal=True), q, k, v)
-  for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_vjp(do))):
-    assert_close(g, r, 1e-5, name)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_vjp(do))):
+    assert_close(g, r, RTOL, name)
+
+
+# Row 0: boundaries at tile edges (8, 16) and inside tiles (21, 40); row 1: 24 documents, over cuDNN's packed bound.
+ONE_DEVICE_SEGMENTS = np.stack([np.searchsorted([8, 16, 21, 40], np.arange(48), side="right"),
+                                np.arange(48) // 2]).astype(np.int32)
+
+
+@pytest.mark.parametrize("tile, skipped", [(8, 12), (16, 2)])  # 16: a tile straddles the row's two chunks
+def test_the_tile_loop_over_one_device_is_attention_within_documents(tile, skipped):
+  """`tile_loop_forward` and `tile_loop_backward` (a ring of one, XLA's tiles, GQA) on whole rows of packed
+  documents: outputs and the gradients of q, k and v equal the masked float32 oracle's, and each loop computes the
+  causal pairs less the ones skipped (counted by hand: row 0's documents bound them, each tile's key tiles before
+  its first document).
+
+  Mutants that failed it: the diagonal pair unmasked (`diagonal_mask` → None); the off-diagonal pairs unmasked;
+  the key loops starting at `first + 1`; starting at 0 (the call counts); `_held_offset` of a ring of one
+  `(w + 1) * tile` and `w * tile + 1`; `_diagonal_tile` of a ring of one `t - 1`."""
+  rng = np.random.default_rng(7)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, 48, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
+  segments = jnp.asarray(ONE_DEVICE_SEGMENTS)
+  calls, kernels = _counted_xla_tiles()
+  forward = jax.jit(tile_loop_forward, static_argnums=(4, 5, 6))
+  out, lse = forward(q, k, v, segments, 8 ** -0.5, tile, kernels)
+  grads = jax.jit(tile_loop_backward, static_argnums=(7, 8, 9))(q, k, v, segments, out, lse, do, 8 ** -0.5, tile,
+                                                                kernels)
+  jax.block_until_ready(grads)
+  assert skipped_tiles(ONE_DEVICE_SEGMENTS, 1, tile) == [skipped]
+  expected = key_tiles_per_device(48, 1, tile)[0] - skipped
+  assert calls == {"forward": expected, "backward": expected}, (calls, expected)
+  _assert_documents_attention(ONE_DEVICE_SEGMENTS, (q, k, v, do), (out, *grads))
+
+
+def test_the_tile_loop_over_one_device_moves_nothing_between_devices():
+  """Lowered inside a shard_map over an 'expert' axis of 2, where a gather over it would compile, the ring of one's
+  forward and backward hold no collective and no device index; context parallelism over the same axis does gather.
+
+  Mutants that failed it: `_gather` and `_scatter_home` ignoring a ring of one; `_diagonal_tile` reading
+  `axis_index` before its ring-of-one return."""
+  mesh = _mesh(1, 2)
+  q, k, v = (jnp.zeros((1, 16, h, 8), jnp.float32) for h in (4, 2, 2))
+  segments = jnp.zeros((1, 16), jnp.int32)
+
+  def both(q, k, v, segments):
+    out, lse = tile_loop_forward(q, k, v, segments, 1.0, 4, XLA_TILES)
+    return tile_loop_backward(q, k, v, segments, out, lse, out, 1.0, 4, XLA_TILES)
+
+  one = jax.shard_map(both, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  text = jax.jit(one).lower(q, k, v, segments).as_text()
+  for op in ("all_gather", "reduce_scatter", "all_reduce", "collective_permute", "partition_id", "replica_id"):
+    assert op not in text, op
+  ring = functools.partial(context_attention, mesh=mesh, scale=1.0, tile=4, segment_ids_BS=segments)
+  assert "all_gather" in jax.jit(ring).lower(q, k, v).as_text()

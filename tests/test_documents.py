@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from models.attention.cudnn import CUDNN_TILES, tile_kernels
 from models.attention import cudnn_documents
 from models.attention.cudnn_documents import documents_attention, documents_attention_on, rows_per_call
 from models.attention.documents import packed_layout
-from models.attention.context_parallel import XLA_TILES, balanced_order, context_attention
+from models.attention.context_parallel import XLA_TILES, balanced_order, context_attention, skipped_tiles
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
@@ -169,6 +170,48 @@ def test_packed_calls_hold_as_many_rows_as_their_temporaries_allow():
   assert rows(12, 1024, budget=5 << 29) == 4  # a divisor of the rows, not the most that fit (5)
 
 
+def test_the_runtime_sets_the_packed_bound(monkeypatch):
+  """`runtime.documents_per_row` reaches cuDNN's packed calls (stubbed: no GPU here); under 2 it is refused."""
+  seen = []
+  monkeypatch.setattr(cudnn_documents, "unavailable", lambda *_: None)
+  monkeypatch.setattr(cudnn_documents, "documents_attention_on", lambda q, *args: seen.append(args[-1]) or q)
+  mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+  q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
+  runtime = RuntimeConfig(attention_implementation="cudnn", documents_per_row=32)
+  qwen3.attend_heads(q, q, q, 0.5, runtime, mesh, jnp.zeros((1, 8), jnp.int32))
+  assert seen == [32]
+  with pytest.raises(ValueError, match="documents_per_row=1 must be an integer ≥ 2"):
+    RuntimeConfig(documents_per_row=1)
+
+
+def test_a_call_over_the_packed_bound_takes_the_tile_loop(monkeypatch):
+  """`documents_attention` with every row over its bound (M = 2), a row a call: the tile loop (XLA's tiles standing in
+  for cuDNN's; the packed kernels stubbed with zeros, the branch not taken) equals the masked float32 oracle in
+  values and gradients, through the custom VJP's statistics [rows·M, Q, S].
+
+  Mutants that failed it: the tile loop's logsumexp read from the padding (`stats[-rows:]`); the branches swapped."""
+  b, s = 2, 64
+  zeros = lambda q, *_, **__: (jnp.zeros_like(q), jnp.zeros((q.shape[0] * 2, q.shape[2], s), jnp.float32))
+  bind = lambda q, k, v, *_, **__: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+  monkeypatch.setattr(cudnn_documents, "CUDNN_TILES", XLA_TILES)
+  monkeypatch.setattr(cudnn_documents, "jax_cudnn", types.SimpleNamespace(
+      dot_product_attention=zeros, _dot_product_attention_bwd_p_wrapper=types.SimpleNamespace(bind=bind),
+      MaskType=cudnn_documents.jax_cudnn.MaskType, AttentionLayout=cudnn_documents.jax_cudnn.AttentionLayout))
+  rng = np.random.default_rng(2)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(b, s, h, 8)), jnp.float32) for h in (4, 2, 2, 4))
+  segments = np.stack([np.arange(s) // 5, np.searchsorted([20, 32, 50], np.arange(s), side="right")])
+  assert not any(packed_layout(jnp.asarray(row[None]), 2)[2] for row in segments)
+  f = lambda q, k, v: documents_attention(q, k, v, jnp.asarray(segments, jnp.int32), 8 ** -0.5, 2, 1)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  mask = jnp.asarray(segments[:, None, :, None] == segments[:, None, None, :])
+  ref, ref_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=8 ** -0.5,
+                                                                     is_causal=True), q, k, v)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), (ref, *ref_vjp(do))):
+    assert_close(g, r, 1e-5, name)
+  # Tiles: at most half the row and 2048 rows, a divisor of it; a row with no divisor near that is one tile.
+  assert [cudnn_documents.long_row_tile(n) for n in (64, 2048, 6144, 32768, 4099)] == [32, 1024, 2048, 2048, 4099]
+
+
 def test_context_parallel_tiles_skip_what_a_document_cannot_see():
   """Tile by tile over 4 devices (tiles of 4 rows): equal to the masked whole-row attention, values and grads."""
   requires_devices(4)
@@ -241,8 +284,9 @@ def test_eval_losses_repeat_across_reruns_and_resume(tmp_path):
 def test_cudnn_attends_within_documents():
   """On a GPU, bfloat16 (within 2e-2 relative: 8 bits kept): cuDNN's whole-sequence attention (the model's path:
   each document a sequence of cuDNN's packed layout, all rows at once, row by row or each device's rows of a mesh;
-  and, for a call holding a row of more documents than its bound, the bias path, the other calls still packed)
-  and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
+  and, for a call holding a row of more documents than its bound, the tile loop over one device, the other calls
+  still packed: tiles of 1024 rows, all masked in the call of both rows, row 0's second tile skipping its first
+  alone) and its context-parallel tiles (one device holds both chunks; tiles of 256 rows) with documents, values and
   gradients, against XLA's masked attention in float32; and a document's logits in the model on cuDNN wherever it
   lies."""
   if jax.default_backend() != "gpu" or tile_kernels("auto", "gpu", jnp.bfloat16) is not CUDNN_TILES:
@@ -250,19 +294,21 @@ def test_cudnn_attends_within_documents():
   mesh = build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
   rng = np.random.default_rng(5)
   q, k, v, do = (jnp.asarray(rng.normal(size=(2, 2048, h, 128)), jnp.bfloat16) for h in (8, 2, 2, 8))
-  # Row 0: documents of about 300 tokens; row 1: two documents.
-  segments = jnp.asarray(np.stack([np.cumsum(rng.random(2048) < 1 / 300), np.arange(2048) >= 700]), jnp.int32)
+  # Row 0: documents of about 300 tokens (6), one starting at the tile loop's second tile; row 1: two documents.
+  segments = jnp.asarray(np.stack([np.cumsum(rng.random(2048) < 1 / 300) + (np.arange(2048) >= 1024),
+                                   np.arange(2048) >= 700]), jnp.int32)
   scale = 128 ** -0.5
   paths = dict(
       cudnn=lambda q, k, v: attention(q, k, v, scale, "cudnn", "gpu", segments),
       cudnn_more_documents_than_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2),
       cudnn_packed_row_by_row=lambda q, k, v: documents_attention(q, k, v, segments, scale, 16, 1),
-      cudnn_one_call_biased_one_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2, 1),
+      cudnn_one_call_tiled_one_packed=lambda q, k, v: documents_attention(q, k, v, segments, scale, 2, 1),
       cudnn_packed_on_mesh=lambda q, k, v: documents_attention_on(q, k, v, segments, scale, mesh, ("data", "expert")),
       cudnn_tiles=lambda q, k, v: context_attention(q, k, v, mesh=mesh, scale=scale, kernels=CUDNN_TILES, tile=256,
                                                     segment_ids_BS=segments))
   assert packed_layout(segments, 16)[2] and not packed_layout(segments[:1], 2)[2] and packed_layout(segments[1:], 2)[2]
   assert cudnn_documents.unavailable("gpu", q, k) is None  # so "cudnn" below is the packed layout
+  assert cudnn_documents.long_row_tile(2048) == 1024 and skipped_tiles(segments[:1], 1, 1024) == [1]
   as_f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
   ref_out, ref_vjp = jax.vjp(jax.jit(lambda q, k, v: attention(q, k, v, scale, "xla", "gpu", segments)), *as_f32[:3])
   for name, f in paths.items():

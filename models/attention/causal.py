@@ -20,11 +20,12 @@ from models.attention.documents import same_document
 
 
 def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_ids_BS=None, mesh=None,
-              batch_axes=()):
+              batch_axes=(), documents_per_row=cudnn_documents.DOCUMENTS_PER_ROW):
   """Causal GQA attention through `jax.nn.dot_product_attention` (whose own default is XLA's implementation), or
   cuDNN's packed documents; `platform`: that of the devices it runs on, for "auto"; `segment_ids_BS`: a query sees
   only keys of its own segment (None: the whole row); `mesh`, `batch_axes`: where the rows are split, so that
-  cuDNN's packed calls are sized by one device's rows (None: on one device)."""
+  cuDNN's packed calls are sized by one device's rows (None: on one device); `documents_per_row`: the packed
+  layout's bound M."""
   mask = None if segment_ids_BS is None else same_document(segment_ids_BS)[:, None]
   public = functools.partial(jax.nn.dot_product_attention, q_BSQZ, k_BSJZ, v_BSJZ, mask=mask, scale=scale,
                              is_causal=True)
@@ -33,7 +34,7 @@ def attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, implementation, platform, segment_i
     return public(implementation="xla")
   if segment_ids_BS is not None and cudnn_documents.unavailable(platform, q_BSQZ, k_BSJZ) is None:
     attend = functools.partial(cudnn_documents.documents_attention_on, q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale,
-                               mesh, batch_axes)
+                               mesh, batch_axes, documents_per_row)
   else:
     attend = functools.partial(public, implementation="cudnn")
   if implementation == "cudnn":

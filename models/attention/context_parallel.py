@@ -22,6 +22,10 @@ Packed documents (`segment_ids_BS`, non-decreasing along each row): the segment 
 of a query tile (in every row of the device's batch) are skipped: the loops start at the first key tile that
 document reaches.
 
+A ring of one (`tile_loop_forward`, `tile_loop_backward`) runs the same loops on one device's whole rows in sequence
+order with no collective: the path of packed rows that hold more documents than cuDNN's packed layout takes
+(`cudnn_documents`), where skipping other documents' key tiles beats computing every score under a bias.
+
 Shape letters: see `relaymoe_jax`; C the tokens of one chunk, A and W the rows of a query and a key tile.
 """
 
@@ -212,14 +216,27 @@ def _attention(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels):
   return _forward(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels)[0]
 
 
-def _gather(x_BSJZ):
+def tile_loop_forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, tile, kernels):
+  """The tile loop over whole rows on one device (a ring of one: no collective, no 'expert' axis needed), `tile`
+  dividing S: (out [B, S, Q, Z], its row logsumexp [B, Q, S] float32)."""
+  o_BSQZ, residuals = _forward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, 1, scale, tile, kernels)
+  return o_BSQZ, residuals[-1]
+
+
+def tile_loop_backward(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, lse_BQS, do_BSQZ, scale, tile, kernels):
+  """(dq, dk, dv) of `tile_loop_forward` given its out and logsumexp."""
+  residuals = (q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, o_BSQZ, lse_BQS)
+  return _backward_rule(1, scale, tile, kernels, residuals, do_BSQZ)[:3]
+
+
+def _gather(x_BSJZ, ring):
   """Every device's rows of x, all-gathered over 'expert' in the order the devices hold them: [B, 2N·C, J, Z]."""
-  return jax.lax.all_gather(x_BSJZ, EXPERT, axis=1, tiled=True)
+  return x_BSJZ if ring == 1 else jax.lax.all_gather(x_BSJZ, EXPERT, axis=1, tiled=True)
 
 
-def _scatter_home(x_BSJZ):
+def _scatter_home(x_BSJZ, ring):
   """The inverse of `_gather` for gradients: each device gets the sum over devices of its own rows."""
-  return jax.lax.psum_scatter(x_BSJZ, EXPERT, scatter_dimension=1, tiled=True)
+  return x_BSJZ if ring == 1 else jax.lax.psum_scatter(x_BSJZ, EXPERT, scatter_dimension=1, tiled=True)
 
 
 def _key_rows(x_BSJZ, w, tile, ring):
@@ -236,6 +253,8 @@ def _held_offset(w, tile, chunk, ring):
 
 def _diagonal_tile(t, rows, tile, ring):
   """The key tile at the position of this device's query tile t: the last one its causal prefix reaches."""
+  if ring == 1:  # the rows are the sequence in order, and there may be no 'expert' axis to index
+    return t
   c = rows // 2
   i = jax.lax.axis_index(EXPERT)
   start = jnp.where(t * tile < c, i * c + t * tile, (2 * ring - 1 - i) * c + t * tile - c)
@@ -276,16 +295,16 @@ def skipped_tiles(segment_ids_BS, ring, tile):
           for d in range(ring)]
 
 
-def _segments(segments_BS):
-  return None if segments_BS is None else _Segments(segments_BS, _gather(segments_BS))
+def _segments(segments_BS, ring):
+  return None if segments_BS is None else _Segments(segments_BS, _gather(segments_BS, ring))
 
 
 def _forward(q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, ring, scale, tile, kernels):
   """(out, residuals). Per query tile: the diagonal pair from this device's own keys (it needs no gather), then
   the key tiles before it, merged by their row logsumexp; the loops write the arrays in place, tile by tile."""
   rows = q_BSQZ.shape[1]
-  k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
-  segments = _segments(segments_BS)
+  k_all, v_all = _gather(k_BSJZ, ring), _gather(v_BSJZ, ring)
+  segments = _segments(segments_BS, ring)
   attend = functools.partial(kernels.forward, scale=scale)
 
   def one_query_tile(t, outputs):
@@ -317,8 +336,8 @@ def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
   sequence in the devices' order) go home in one reduce-scatter each."""
   q_BSQZ, k_BSJZ, v_BSJZ, segments_BS, o_BSQZ, lse_BQS = residuals
   rows = q_BSQZ.shape[1]
-  k_all, v_all = _gather(k_BSJZ), _gather(v_BSJZ)
-  segments = _segments(segments_BS)
+  k_all, v_all = _gather(k_BSJZ, ring), _gather(v_BSJZ, ring)
+  segments = _segments(segments_BS, ring)
   grad = functools.partial(kernels.backward, scale=scale)
 
   def one_query_tile(t, carry):
@@ -343,7 +362,7 @@ def _backward_rule(ring, scale, tile, kernels, residuals, do_BSQZ):
   zeros = jnp.zeros(k_all.shape, jnp.float32)
   dq_BSQZ, (dk_all, dv_all) = jax.lax.fori_loop(0, rows // tile, one_query_tile,
                                                 (jnp.zeros_like(q_BSQZ), (zeros, zeros)))
-  dk, dv = _scatter_home(dk_all), _scatter_home(dv_all)
+  dk, dv = _scatter_home(dk_all, ring), _scatter_home(dv_all, ring)
   return dq_BSQZ, dk.astype(k_BSJZ.dtype), dv.astype(v_BSJZ.dtype), None
 
 
