@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -120,6 +121,27 @@ def test_a_training_runs_directory_is_an_init_from_source_for_training_and_eval_
   main(["--eval-only", *FROZEN, "eval.batches=1", f"init_from=orbax:{tmp_path / 'run'}", "--out",
         str(tmp_path / "eval")])
   assert capsys.readouterr().out.startswith(f"eval of checkpoint step 3 of {tmp_path / 'run'}: loss ")
+
+
+def test_a_source_runs_unreadable_checkpoint_is_skipped_and_left_in_place(tmp_path, capfd):
+  """`init_from=orbax:RUN_DIR` whose newest checkpoint does not read starts from the one before, says so, and leaves
+  the source run as it was (its own `--resume` sets such a checkpoint aside; a run reading it must not)."""
+  config = load_run_config("cpu", [*FROZEN, f"out_dir={tmp_path / 'run'}"])
+  mesh, model_config = build_mesh(config.mesh), model_config_for(config)
+  params = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=1, runtime=config.runtime))[1])
+  optimizer, _ = make_optimizer(config.optim, config.steps)
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "run_config.json").write_text(json.dumps(dict(
+      run=dataclasses.asdict(config), model=dataclasses.asdict(model_config)), default=str))
+  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as checkpoints:
+    for step in (1, 3):
+      checkpoints.save(step, TrainState(params, optimizer.init(params), np.int32(step)), {"next_batch": step})
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "3" / "state" / "ocdbt.process_0")  # its arrays are gone
+  capfd.readouterr()
+  _, origin = initial_params(f"orbax:{tmp_path / 'run'}", model_config, config.runtime, mesh)
+  assert origin == f"checkpoint step 1 of {tmp_path / 'run'}"
+  assert "skipped checkpoint step 3 in " in capfd.readouterr().err
+  assert (tmp_path / "run" / "checkpoints" / "3").exists() and not (tmp_path / "run" / "checkpoints-unreadable").exists()
 
 
 def test_init_from_takes_the_model_config_from_the_source_with_overrides(hf_dir):

@@ -106,6 +106,7 @@ def test_checkpoints_whose_arrays_are_damaged_are_skipped_for_resume_and_convert
   captured = capfd.readouterr()
   assert "skipped checkpoint step 4 in " in captured.err and "using step 3" in captured.err, captured.err
   assert (tmp_path / "hf" / "config.json").exists() and "Traceback" not in captured.err
+  assert (source / "checkpoints" / "4").exists() and not (source / "checkpoints-unreadable").exists()  # a source
 
 
 def _failing_finalize(monkeypatch, step, failure):

@@ -96,7 +96,7 @@ class OrbaxSource(NamedTuple):
     optimizer, _ = make_optimizer(self.run.optim, self.run.steps)
     _, abstract = abstract_train_state(self.config, runtime, mesh, optimizer)
     with Checkpoints(self.path / "checkpoints", self.run.keep_checkpoints) as checkpoints:
-      state, meta = checkpoints.restore(abstract, step=step)
+      state, meta = checkpoints.restore(abstract, step=step, set_aside=False)
     return state.params, f"checkpoint step {meta['next_batch']} of {self.path}"
 
 

@@ -82,13 +82,14 @@ class Checkpoints:
   def latest_step(self):
     return self.manager.latest_step()
 
-  def restore(self, like_state, step=None):
+  def restore(self, like_state, step=None, set_aside=True):
     """(state, meta) of the newest checkpoint that restores into `like_state`'s shapes and shardings (or of
     checkpoint `step`).
 
     A checkpoint of another layout (layers, sizes, `runtime.scan_layers`) is an error, read from its metadata before
     any array. A checkpoint whose files do not read (truncated, corrupted) is skipped for the next older one and
-    moved aside to `checkpoints-unreadable/`, never deleted, so that this run's saves can take its step again.
+    moved aside to `checkpoints-unreadable/`, never deleted, so that this run's saves can take its step again;
+    `set_aside=False` (another run's checkpoints, read as a source) leaves it where it is.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
@@ -105,7 +106,10 @@ class Checkpoints:
       except CheckpointUnreadable as err:
         unreadable.append((step, err))
         continue
-      self._set_aside(unreadable, step)
+      if set_aside:
+        self._set_aside(unreadable, step)
+      else:
+        _say_skipped(self.directory, unreadable, step, "left in place: a source is read, not changed")
       return restored
     raise CheckpointUnreadable(f"no checkpoint in {self.directory} restores: " + "; ".join(
         f"step {step}: {err}" for step, err in unreadable))
@@ -154,8 +158,7 @@ class Checkpoints:
         while target.exists():
           target = target.with_name(target.name + "+")
         (self.directory / str(step)).rename(target)
-        print(f"skipped checkpoint step {step} in {self.directory}: {err}; moved it to {target} (kept); using step "
-              f"{good_step}", file=sys.stderr, flush=True)
+        _say_skipped(self.directory, [(step, err)], good_step, f"moved it to {target} (kept)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("relaymoe: unreadable checkpoints set aside")
     self.manager.reload()
@@ -190,6 +193,13 @@ class CheckpointUnreadable(RuntimeError):
 # Parameters renamed since checkpoints were first written, {old: new}: the shared expert's width took the letter
 # F of every SwiGLU's (it was S, which is the sequence). A checkpoint with the old names restores under the new.
 RENAMED = {"shared_gate_DS": "shared_gate_DF", "shared_up_DS": "shared_up_DF", "shared_down_SD": "shared_down_FD"}
+
+
+def _say_skipped(directory, unreadable, good_step, what_became_of_it):
+  if jax.process_index() == 0:
+    for step, err in unreadable:
+      print(f"skipped checkpoint step {step} in {directory}: {err}; {what_became_of_it}; using step {good_step}",
+            file=sys.stderr, flush=True)
 
 
 def _names_in(stored, abstract):
