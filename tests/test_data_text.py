@@ -173,22 +173,50 @@ def test_a_short_run_trains_on_tokenised_text(tmp_path, tokenizer):
   assert saved["tokenizer"] == str(tmp_path / "tokenizer.json") and os.path.exists(saved["path"])
 
 
-def test_a_qwen35_tokenizer_file_reads_as_transformers_encodes(tmp_path):
-  """Qwen3.5's tokenizer.json as transformers writes it (NFC, its split pattern that keeps combining marks with their
-  letters, byte-level BPE, `<|endoftext|>` after each document), on a small vocabulary: the checkpoint's own file is
-  not reachable here, and it differs from this one only in its merges."""
-  transformers = pytest.importorskip("transformers")
-  from tokenizers.pre_tokenizers import ByteLevel
-  alphabet = ByteLevel.alphabet()
-  vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}
-  merges = [("t", "h"), ("th", "e"), ("Ġ", "r"), ("Ġr", "i")]
+# Qwen3.5's pre-tokenizer pattern (transformers' `tokenization_qwen3_5.py`): combining marks stay with their letters.
+QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
+                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def qwen35_tokenizer(merges=(("t", "h"), ("th", "e"), ("Ġ", "r"), ("Ġr", "i"))):
+  """A tokenizer.json laid out as Qwen3.5's (NFC, its split pattern, byte-level BPE, `<|endoftext|>` as id 0) on a
+  small vocabulary: the checkpoint's own file is not reachable here, and differs from this one in its merges."""
+  from tokenizers import Regex, decoders, normalizers
+  vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
   vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
-  qwen = transformers.Qwen3_5Tokenizer(vocab=vocab, merges=merges)
-  qwen.save_pretrained(tmp_path / "qwen")
-  documents = ["the ring turns", "Cafe\u0301 au lait", "the relay\u00a0passes 12 tokens"]  # a combining accent
+  tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+  tokenizer.normalizer = normalizers.NFC()
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(QWEN35_PATTERN), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.add_special_tokens(["<|endoftext|>"])
+  return tokenizer, vocab, merges
+
+
+def test_a_qwen35_tokenizer_file_reads_as_it_encodes(tmp_path):
+  """`data.kind=text` with a tokenizer.json in Qwen3.5's layout: each document as the tokenizer encodes it (a
+  combining accent, a no-break space, digits one by one), `<|endoftext|>` after each."""
+  tokenizer, vocab, _ = qwen35_tokenizer()
+  tokenizer.save(str(tmp_path / "tokenizer.json"))
+  documents = ["the ring turns", "Cafe\u0301 au lait", "the relay\u00a0passes 12 tokens"]
   corpus = tmp_path / "corpus.jsonl"
   write_jsonl(corpus, [{"text": d} for d in documents])
-  config = DataConfig(kind="text", path=str(corpus), tokenizer=str(tmp_path / "qwen" / "tokenizer.json"))
-  source = make_source(config, vocab_size=len(vocab))
+  source = make_source(text_config(tmp_path, corpus), vocab_size=len(vocab))
   assert source.eos == 0
-  assert source.tokens.tolist() == [i for d in documents for i in (*qwen.encode(d, add_special_tokens=False), 0)]
+  assert source.tokens.tolist() == [i for d in documents for i in (*tokenizer.encode(d).ids, 0)]
+
+
+def test_the_qwen35_layout_is_transformers_own(tmp_path):
+  """Where transformers is installed: its `Qwen3_5Tokenizer` on the same vocabulary writes the same pipeline and
+  encodes as ours (so the test above reads Qwen3.5's format, not a guess at it)."""
+  transformers = pytest.importorskip("transformers")
+  tokenizer, vocab, merges = qwen35_tokenizer()
+  theirs = transformers.Qwen3_5Tokenizer(vocab=vocab, merges=list(merges))
+  theirs.save_pretrained(tmp_path)
+  saved = json.loads((tmp_path / "tokenizer.json").read_text())
+  ours = json.loads(tokenizer.to_str())
+  for part in ("normalizer", "pre_tokenizer", "decoder"):
+    assert saved[part] == ours[part], part
+  text = "the ring turns: Cafe\u0301 au lait, 12 tokens"
+  assert theirs.encode(text, add_special_tokens=False) == tokenizer.encode(text).ids
