@@ -174,8 +174,8 @@ def test_a_short_run_trains_on_tokenised_text(tmp_path, tokenizer):
 
 
 # Qwen3.5's pre-tokenizer pattern (transformers' `tokenization_qwen3_5.py`): combining marks stay with their letters.
-QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
-                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
+                  r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def qwen35_tokenizer(merges=(("t", "h"), ("th", "e"), ("Ġ", "r"), ("Ġr", "i"))):
