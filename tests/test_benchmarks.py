@@ -445,6 +445,7 @@ def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
   assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d", lines[-1])
 
 
+@pytest.mark.slow  # ~8 s; a benchmark's baseline, not a user's path
 def test_the_maxtext_baseline_computes_the_gated_delta_rule():
   """The comparison's MaxText formulation (written from its description) is the rule itself: our chunked form's
   output in float32 (1e-5 of the largest entry), so its times are those of the same math."""
