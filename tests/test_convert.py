@@ -95,21 +95,30 @@ def test_training_starts_from_the_source_and_its_checkpoint_converts_back(hf_dir
     convert.main(["orbax-to-hf", str(tmp_path / "run"), str(tmp_path / "other"), "--step", "7", "--debug"])
 
 
+def _run_directory(out, steps=(1, 3), seed=5):
+  """A relaymoe-train run directory as the loop writes one, without training: its run_config.json and a checkpoint
+  per step holding the seeded parameters times the step. Returns (run config, mesh, model config, the seeded
+  parameters)."""
+  config = load_run_config("cpu", [*FROZEN, f"out_dir={out}", f"seed={seed}"])
+  mesh, model_config = build_mesh(config.mesh), model_config_for(config)
+  seeded = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=seed,
+                                                           runtime=config.runtime))[1])
+  optimizer, _ = make_optimizer(config.optim, config.steps)
+  out.mkdir()
+  (out / "run_config.json").write_text(json.dumps(dict(
+      run=dataclasses.asdict(config), model=dataclasses.asdict(model_config)), default=str))
+  with Checkpoints(out / "checkpoints", len(steps)) as checkpoints:
+    for step in steps:
+      scaled = jax.tree.map(lambda x, s=step: x * s, seeded)
+      checkpoints.save(step, TrainState(scaled, optimizer.init(scaled), np.int32(step)), {"next_batch": step})
+  return config, mesh, model_config, seeded
+
+
 def test_a_training_runs_directory_is_an_init_from_source_for_training_and_eval_only(tmp_path, capsys, monkeypatch):
   """`init_from=orbax:RUN_DIR`: the newest checkpoint of a relaymoe-train run directory (written here as the loop
   writes one, without training: random parameters, which the source must give back bit for bit; the slow test above
   starts from a trained one), said on the console; `--eval-only` of it names the checkpoint it evaluated."""
-  config = load_run_config("cpu", [*FROZEN, f"out_dir={tmp_path / 'run'}", "seed=5"])
-  mesh, model_config = build_mesh(config.mesh), model_config_for(config)
-  seeded = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=5, runtime=config.runtime))[1])
-  optimizer, _ = make_optimizer(config.optim, config.steps)
-  (tmp_path / "run").mkdir()
-  (tmp_path / "run" / "run_config.json").write_text(json.dumps(dict(
-      run=dataclasses.asdict(config), model=dataclasses.asdict(model_config)), default=str))
-  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as checkpoints:
-    for step in (1, 3):  # the newest is taken
-      scaled = jax.tree.map(lambda x, s=step: x * s, seeded)
-      checkpoints.save(step, TrainState(scaled, optimizer.init(scaled), np.int32(step)), {"next_batch": step})
+  config, mesh, model_config, seeded = _run_directory(tmp_path / "run")  # the newest of steps 1 and 3 is taken
   capsys.readouterr()
   params, origin = initial_params(f"orbax:{tmp_path / 'run'}", model_config, config.runtime, mesh)
   assert jax.tree.structure(params) == jax.tree.structure(seeded)
@@ -126,16 +135,7 @@ def test_a_training_runs_directory_is_an_init_from_source_for_training_and_eval_
 def test_a_source_runs_unreadable_checkpoint_is_skipped_and_left_in_place(tmp_path, capfd):
   """`init_from=orbax:RUN_DIR` whose newest checkpoint does not read starts from the one before, says so, and leaves
   the source run as it was (its own `--resume` sets such a checkpoint aside; a run reading it must not)."""
-  config = load_run_config("cpu", [*FROZEN, f"out_dir={tmp_path / 'run'}"])
-  mesh, model_config = build_mesh(config.mesh), model_config_for(config)
-  params = nnx.to_pure_dict(nnx.split(qwen3.create_sharded(model_config, mesh, seed=1, runtime=config.runtime))[1])
-  optimizer, _ = make_optimizer(config.optim, config.steps)
-  (tmp_path / "run").mkdir()
-  (tmp_path / "run" / "run_config.json").write_text(json.dumps(dict(
-      run=dataclasses.asdict(config), model=dataclasses.asdict(model_config)), default=str))
-  with Checkpoints(tmp_path / "run" / "checkpoints", 2) as checkpoints:
-    for step in (1, 3):
-      checkpoints.save(step, TrainState(params, optimizer.init(params), np.int32(step)), {"next_batch": step})
+  config, mesh, model_config, _ = _run_directory(tmp_path / "run")
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "3" / "state" / "ocdbt.process_0")  # its arrays are gone
   capfd.readouterr()
   _, origin = initial_params(f"orbax:{tmp_path / 'run'}", model_config, config.runtime, mesh)
