@@ -3,7 +3,7 @@ formulation and fla's Triton kernels, forward and forward + backward, in one run
 
     python -m benchmarks.gated_deltanet [--shapes 16x4096,1x65536,1x262144] [--variants pallas,xla,maxtext,fla]
                                         [--key-heads 16] [--value-heads 32] [--head-dim 128] [--iters 5]
-                                        [--out benchmarks/results/gated_deltanet.json]
+                                        [--out benchmarks/results/gated_deltanet.json] [--profile DIR]
 
 Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-normalised in the rule) and v
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
@@ -16,6 +16,8 @@ Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-no
            a `lax.scan` over chunks, plain autodiff;
   fla      fla's `chunk_gated_delta_rule` (Triton) through torch, q and k repeated to the value heads; its
            backward where fla allows it on this Triton (it refuses Triton 3.4–3.7.0 on Hopper).
+With `--profile DIR`, each JAX variant's forward and forward + backward are also traced under DIR and its row
+gets their ten longest kernels per call (`benchmarks.trace_summary`): where the time goes.
 A variant that cannot run here (fla not installed, no GPU for the kernels compiled, out of memory) is a row saying
 why. Prints a table and writes JSON; the last line is the summary of the first shape.
 """
@@ -32,6 +34,7 @@ from jax import lax
 
 from benchmarks import harness
 from benchmarks.cp_attention import seconds
+from benchmarks.trace_summary import find_trace, kernel_times
 from models.attention.gated_delta import gated_delta_rule
 
 VARIANTS = ("pallas", "pallas_bf16chunks", "xla", "maxtext", "fla")
@@ -102,9 +105,23 @@ def jax_steps(variant):
           jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))))
 
 
-def measure_jax(variant, args, iters):
+def kernels(f, args, trace_dir, calls=2):
+  """The ten longest kernels of one call of f on the first GPU: [(name, ms, launches)], from a trace of `calls`."""
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(calls):
+      out = f(*args)
+    jax.block_until_ready(out)
+  return kernel_times(find_trace(trace_dir), calls)["by_name"][:10]
+
+
+def measure_jax(variant, args, iters, profile_dir=None):
   forward, both = jax_steps(variant)
-  return dict(fwd_ms=1e3 * seconds(forward, args, iters), fwd_bwd_ms=1e3 * seconds(both, args, iters))
+  row = dict(fwd_ms=1e3 * seconds(forward, args, iters), fwd_bwd_ms=1e3 * seconds(both, args, iters))
+  if profile_dir:
+    shape = "x".join(map(str, args[2].shape[:2]))
+    for name, f in (("fwd", forward), ("fwd_bwd", both)):
+      row[f"{name}_kernels"] = kernels(f, args, os.path.join(profile_dir, f"{variant}_{shape}_{name}"))
+  return row
 
 
 def measure_fla(args, iters):
@@ -142,14 +159,14 @@ def measure_fla(args, iters):
   return row
 
 
-def measure(variant, shape, heads, iters):
+def measure(variant, shape, heads, iters, profile_dir=None):
   batch, tokens = shape
   args = inputs(batch, tokens, *heads)
   gpu = jax.default_backend() == "gpu"
   if (variant.startswith("pallas") or variant == "fla") and not gpu:
     return dict(fwd_ms=None, fwd_bwd_ms=None, note="needs a GPU")
   try:
-    return measure_fla(args, iters) if variant == "fla" else measure_jax(variant, args, iters)
+    return measure_fla(args, iters) if variant == "fla" else measure_jax(variant, args, iters, profile_dir)
   except ImportError as err:
     return dict(fwd_ms=None, fwd_bwd_ms=None, note=f"not installed: {err.name}")
   except jax.errors.JaxRuntimeError as err:
@@ -189,6 +206,7 @@ def main(argv=None):
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "gated_deltanet.json"))
+  parser.add_argument("--profile", metavar="DIR", help="also trace each JAX variant under DIR: its longest kernels")
   args = parser.parse_args(argv)
   unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
   if unknown:
@@ -200,7 +218,8 @@ def main(argv=None):
   for shape in args.shapes.split(","):
     batch, tokens = map(int, shape.split("x"))
     for variant in args.variants.split(","):
-      rows.append(dict(shape=shape, variant=variant, **measure(variant, (batch, tokens), heads, args.iters)))
+      row = measure(variant, (batch, tokens), heads, args.iters, args.profile)
+      rows.append(dict(shape=shape, variant=variant, **row))
       print(rows[-1], flush=True)
       write(meta, rows, args.out)  # after each row: a run cut short keeps what it measured
   print(write(meta, rows, args.out))
@@ -209,7 +228,19 @@ def main(argv=None):
 def write(meta, rows, out):
   """The JSON and table of `rows` so far; returns the table's text."""
   harness.write_json(dict(meta=meta, rows=rows), out)
-  return harness.write_table(f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{summary(rows)}", out)
+  return harness.write_table(f"# {meta['command']}\n# {json.dumps(meta)}\n\n{table(rows)}\n{kernel_lines(rows)}"
+                             f"{summary(rows)}", out)
+
+
+def kernel_lines(rows):
+  """The profiled rows' longest kernels, one block per row and pass ("" without --profile)."""
+  lines = []
+  for r in rows:
+    for name in ("fwd", "fwd_bwd"):
+      if r.get(f"{name}_kernels"):
+        lines += ["", f"{r['shape']} {r['variant']} {name}: longest kernels (ms, launches)"]
+        lines += [f"  {ms:8.3f} {n:4d}  {kernel[:100]}" for kernel, ms, n in r[f"{name}_kernels"]]
+  return "\n".join(lines + [""]) if lines else ""
 
 
 if __name__ == "__main__":
