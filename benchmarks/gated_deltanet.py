@@ -8,9 +8,10 @@ formulation and fla's Triton kernels, forward and forward + backward, in one run
 Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-normalised in the rule) and v
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
 `jax.value_and_grad` of Σ o ⊙ w over q, k, v, g and β (fla: `backward` of the same sum).
-  pallas   `gated_delta_rule(state_kernel="pallas")`: the loop over chunks as this project's Pallas kernels;
-  pallas_bf16chunks  the same with `chunk_dtype=bfloat16`: the chunks' own matmuls on bfloat16 operands too;
-  xla      `gated_delta_rule`: the same chunked form with the loop as a `lax.scan`;
+  pallas   `gated_delta_rule(state_kernel="pallas")`: the chunks' inverses and the loop over chunks as this project's
+           Pallas kernels, the rest batched matmuls, all on bfloat16 operands;
+  xla      `gated_delta_rule`: the chunked form in XLA, float32 at HIGHEST precision, the loop a `lax.scan`;
+  xla_bf16chunks  the same with `chunk_dtype=bfloat16`: the chunks' own matmuls on bfloat16 operands;
   maxtext  MaxText's training formulation, written here from its description (`maxtext_gated_delta_rule`):
            float32 math at HIGHEST precision, chunk 64, `solve_triangular` for (I + A)⁻¹, u and w cast to bf16,
            a `lax.scan` over chunks, plain autodiff;
@@ -37,7 +38,7 @@ from benchmarks.cp_attention import seconds
 from benchmarks.trace_summary import find_trace, kernel_times
 from models.attention.gated_delta import gated_delta_rule
 
-VARIANTS = ("pallas", "pallas_bf16chunks", "xla", "maxtext", "fla")
+VARIANTS = ("pallas", "xla", "xla_bf16chunks", "maxtext", "fla")
 
 
 def inputs(batch, tokens, key_heads, value_heads, head_dim, seed=0):

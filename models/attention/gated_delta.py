@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention.gated_delta_kernels import state_pass
+from models.attention.gated_delta_kernels import BLOCK, operand_einsum, state_pass, unit_lower_inverse
 
 # Matching float32 references needs full float32 matmuls; DEFAULT precision may use TF32 on GPUs.
 _PRECISION = lax.Precision.HIGHEST
@@ -41,25 +41,28 @@ def _einsum(spec, *operands):
 def _chunk_einsum(spec, a, b, dtype):
   """A state-independent matmul of the chunked form: float32 at full precision (dtype None), or `dtype` operands
   with float32 accumulation (fla's choice for bfloat16 models)."""
-  if dtype is None:
-    return _einsum(spec, a, b)
-  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+  return operand_einsum(spec, a, b, dtype or jnp.float32)
 
 
 def _l2_normalize(x_BSHK):
   return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
 
 
-def _prepare_qk(q_BSHK, k_BSHK, num_v_heads, l2_normalize):
-  """float32, optional L2 norm, q scaled by K^-1/2, key heads repeated to value heads."""
-  q_BSHK, k_BSHK = q_BSHK.astype(jnp.float32), k_BSHK.astype(jnp.float32)
+def _normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
+  """float32, optional L2 norm, q scaled by K^-1/2; the key heads' count checked against the value heads'."""
+  if num_v_heads % k_BSGK.shape[2]:
+    raise ValueError(f"{num_v_heads} value heads are not a multiple of {k_BSGK.shape[2]} key heads")
+  q_BSGK, k_BSGK = q_BSGK.astype(jnp.float32), k_BSGK.astype(jnp.float32)
   if l2_normalize:
-    q_BSHK, k_BSHK = _l2_normalize(q_BSHK), _l2_normalize(k_BSHK)
-  q_BSHK = q_BSHK * q_BSHK.shape[-1] ** -0.5
-  if num_v_heads % k_BSHK.shape[2]:
-    raise ValueError(f"{num_v_heads} value heads are not a multiple of {k_BSHK.shape[2]} key heads")
-  repeats = num_v_heads // k_BSHK.shape[2]
-  return jnp.repeat(q_BSHK, repeats, axis=2), jnp.repeat(k_BSHK, repeats, axis=2)
+    q_BSGK, k_BSGK = _l2_normalize(q_BSGK), _l2_normalize(k_BSGK)
+  return q_BSGK * q_BSGK.shape[-1] ** -0.5, k_BSGK
+
+
+def _prepare_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
+  """`_normalize_qk`, key heads repeated to value heads."""
+  q_BSGK, k_BSGK = _normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize)
+  repeats = num_v_heads // k_BSGK.shape[2]
+  return jnp.repeat(q_BSGK, repeats, axis=2), jnp.repeat(k_BSGK, repeats, axis=2)
 
 
 def _segment_ids(segment_ids_BS, batch, seq_len):
@@ -114,26 +117,44 @@ class _Chunks(NamedTuple):
   decay_BNH: jax.Array  # c exp(Γ_C)
 
 
+class _Masks(NamedTuple):
+  """Where documents let chunk positions see each other and the state, as float32 0/1."""
+  sees_BNCC: jax.Array  # s ≤ r in the same document
+  reads_BNC: jax.Array  # m: position r lies in the incoming state's document
+  writes_BNC: jax.Array  # e: position s lies in the chunk's last document
+  keeps_BN: jax.Array  # c: the chunk's last document is the incoming state's
+
+
+def _chunk_masks(seg_BS, chunk_size):
+  # Padding joins the last document, so with g = β = 0 it leaves that document's state intact.
+  seg_BNC = _to_chunks(seg_BS, chunk_size, mode="edge")
+  seg_in_BN = jnp.concatenate([seg_BNC[:, :1, 0], seg_BNC[:, :-1, -1]], axis=1)
+  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
+  return _Masks(sees_BNCC=same_BNCC & jnp.tril(jnp.ones((chunk_size, chunk_size), bool)),
+                reads_BNC=(seg_BNC == seg_in_BN[..., None]).astype(jnp.float32),
+                writes_BNC=(seg_BNC == seg_BNC[..., -1:]).astype(jnp.float32),
+                keeps_BN=(seg_BNC[..., -1] == seg_in_BN).astype(jnp.float32))
+
+
+def _decays(gamma_XC, sees_XCC):
+  """exp(Γ_r − Γ_s) where s sees r, else 0; masking before exp keeps exp(positive) overflow out of both the values
+  and the gradients."""
+  diff_XCC = gamma_XC[..., :, None] - gamma_XC[..., None, :]
+  return jnp.where(sees_XCC, jnp.exp(jnp.where(sees_XCC, diff_XCC, 0.0)), 0.0)
+
+
 def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_size, l2_normalize, chunk_dtype=None):
   """Everything that does not depend on the state, for all chunks at once (`chunk_dtype`: see `_chunk_einsum`)."""
   q_BSHK, k_BSHK = _prepare_qk(q_BSHK, k_BSHK, v_BSHV.shape[2], l2_normalize)
   to_BNHC = lambda x: jnp.moveaxis(_to_chunks(x.astype(jnp.float32), chunk_size), 3, 2)
   q_BNHCK, k_BNHCK, v_BNHCV = to_BNHC(q_BSHK), to_BNHC(k_BSHK), to_BNHC(v_BSHV)
   g_BNHC, beta_BNHC = to_BNHC(g_BSH[..., None])[..., 0], to_BNHC(beta_BSH[..., None])[..., 0]
-  # Padding joins the last document, so with g = β = 0 it leaves that document's state intact.
-  seg_BNC = _to_chunks(seg_BS, chunk_size, mode="edge")
-  seg_in_BN = jnp.concatenate([seg_BNC[:, :1, 0], seg_BNC[:, :-1, -1]], axis=1)
-
-  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
-  mask_BN1CC = (same_BNCC & jnp.tril(jnp.ones((chunk_size, chunk_size), bool)))[:, :, None]
-  reads_BN1C = (seg_BNC == seg_in_BN[..., None])[:, :, None].astype(jnp.float32)
-  writes_BN1C = (seg_BNC == seg_BNC[..., -1:])[:, :, None].astype(jnp.float32)
-  keeps_BN1 = (seg_BNC[..., -1] == seg_in_BN)[:, :, None].astype(jnp.float32)
+  masks = _chunk_masks(seg_BS, chunk_size)
+  reads_BN1C, writes_BN1C = masks.reads_BNC[:, :, None], masks.writes_BNC[:, :, None]
+  keeps_BN1 = masks.keeps_BN[:, :, None]
 
   gamma_BNHC = jnp.cumsum(g_BNHC, axis=-1)
-  diff_BNHCC = gamma_BNHC[..., :, None] - gamma_BNHC[..., None, :]
-  # Masking before exp keeps exp(positive) overflow out of both the values and the gradients.
-  decay_BNHCC = jnp.where(mask_BN1CC, jnp.exp(jnp.where(mask_BN1CC, diff_BNHCC, 0.0)), 0.0)
+  decay_BNHCC = _decays(gamma_BNHC, masks.sees_BNCC[:, :, None])
   gamma_end_BNH1 = gamma_BNHC[..., -1:]
 
   a_BNHCC = _chunk_einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK, chunk_dtype) * beta_BNHC[..., None] * decay_BNHCC
@@ -166,27 +187,58 @@ def _scan_chunks(chunks, state_BHKV):
   return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
 
 
-def _kernel_state_pass(chunks, state_BHKV, out_dtype):
-  """`_scan_chunks` by the Pallas kernels (`gated_delta_kernels`): bfloat16 operands where the inputs are not
-  float32 (float32 accumulation, state and decay), in Pallas' interpreter off GPUs."""
-  bhn = lambda x: jnp.moveaxis(x, 1, 2)
-  precision = _PRECISION if out_dtype == jnp.float32 else None
-  o_BHNCV, state_BHKV = state_pass(
-      bhn(chunks.qd_BNHCK), bhn(chunks.kd_BNHCK), bhn(chunks.w_BNHCK), bhn(chunks.p_BNHCC), bhn(chunks.u_BNHCV),
-      bhn(chunks.decay_BNH), state_BHKV, precision, jax.default_backend() != "gpu", out_dtype)
-  b, h, n, c, v = o_BHNCV.shape
-  return jnp.moveaxis(o_BHNCV, 1, 3).reshape(b, n * c, h, v), state_BHKV
+def _kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  """The chunked form with the Pallas kernels (`gated_delta_kernels`): the inverses and the loop over chunks as
+  kernels, the rest XLA's batched matmuls over (row, chunk, head), q and k at their key heads (value head h = key
+  head g, repeat r); operands bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
+  dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
+  interpret = jax.default_backend() != "gpu"
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  b, s, hk, _ = k.shape
+  hv, dv = v.shape[2:]
+  r = hv // hk
+  q_BSGK, k_BSGK = _normalize_qk(q, k, hv, l2_normalize)
+  q_BNCGK, k_BNCGK = (_to_chunks(x, chunk_size).astype(dtype) for x in (q_BSGK, k_BSGK))
+  n = q_BNCGK.shape[1]
+  by_key_head = lambda x_BSH: _to_chunks(x_BSH.astype(jnp.float32), chunk_size).reshape(b, n, chunk_size, hk, r)
+  gamma_BNCGR, beta_BNCGR = jnp.cumsum(by_key_head(g), axis=2), by_key_head(beta)
+  v_BNCGRV = _to_chunks(v, chunk_size).reshape(b, n, chunk_size, hk, r, dv)
+  masks = _chunk_masks(seg_BS, chunk_size)
+  per_position = lambda x_BNC: x_BNC[..., None, None]  # [B, N, C, 1, 1] against [B, N, C, G, R]
+
+  gamma_end_BNGR = gamma_BNCGR[:, :, -1]
+  decay_BNGRCC = _decays(jnp.moveaxis(gamma_BNCGR, 2, -1), masks.sees_BNCC[:, :, None, None])
+  kk_BNG1CC = mm("bncgk,bnsgk->bngcs", k_BNCGK, k_BNCGK)[:, :, :, None]
+  a_BNGRCC = kk_BNG1CC * jnp.moveaxis(beta_BNCGR, 2, -1)[..., None] * decay_BNGRCC
+  t_BNGRCC = (unit_lower_inverse(a_BNGRCC, dtype, interpret) if chunk_size % BLOCK == 0
+              else _unit_lower_inverse(a_BNGRCC))
+  scaled = lambda x_BNCGK, scale_BNCGR: (x_BNCGK[:, :, :, :, None] * scale_BNCGR[..., None]).astype(dtype)
+  xw_BNCGRK = scaled(k_BNCGK, beta_BNCGR * per_position(masks.reads_BNC) * jnp.exp(gamma_BNCGR))
+  u_BNCGRV = mm("bngrcs,bnsgrv->bncgrv", t_BNGRCC, v_BNCGRV * beta_BNCGR[..., None]).astype(dtype)
+  w_BNCGRK = mm("bngrcs,bnsgrk->bncgrk", t_BNGRCC, xw_BNCGRK).astype(dtype)
+  kd_BNCGRK = scaled(k_BNCGK, per_position(masks.writes_BNC) * jnp.exp(gamma_end_BNGR[:, :, None] - gamma_BNCGR))
+  decay_BNGR = masks.keeps_BN[..., None, None] * jnp.exp(gamma_end_BNGR)
+  heads = lambda x: x.reshape(*x.shape[:3], hv, x.shape[-1])  # [B, N, C, G, R, ·] → [B, N, C, H, ·]
+  states_BNHKV, vnew_BNCHV, state_BHKV = state_pass(
+      heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), jnp.moveaxis(decay_BNGR.reshape(b, n, hv), 1, 2),
+      state_BHKV, dtype, interpret)
+
+  qd_BNCGRK = scaled(q_BNCGK, per_position(masks.reads_BNC) * jnp.exp(gamma_BNCGR))
+  p_BNGRCC = mm("bncgk,bnsgk->bngcs", q_BNCGK, k_BNCGK)[:, :, :, None] * decay_BNGRCC
+  o_BNCGRV = (mm("bncgrk,bngrkv->bncgrv", qd_BNCGRK, states_BNHKV.reshape(b, n, hk, r, *states_BNHKV.shape[-2:]))
+              + mm("bngrcs,bnsgrv->bncgrv", p_BNGRCC, vnew_BNCHV.reshape(b, n, chunk_size, hk, r, dv)))
+  return o_BNCGRV.reshape(b, n * chunk_size, hv, dv)[:, :s].astype(v.dtype), state_BHKV
 
 
 STATE_KERNELS = ("xla", "pallas")
 
 
 def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
-  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize, chunk_dtype)
   if state_kernel == "pallas":
-    o_BSHV, state_BHKV = _kernel_state_pass(chunks, state_BHKV.astype(jnp.float32), v.dtype)
-  else:
-    o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
+    return _kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size,
+                                   l2_normalize)
+  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize, chunk_dtype)
+  o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
   return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
 
 
@@ -235,10 +287,13 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     chunk_size: chunk length C; S is padded to a multiple of it.
     l2_normalize: L2-normalise q and k over K first.
     output_final_state: also return the state after the last token.
-    state_kernel: the loop over chunks as a `lax.scan` ("xla") or the Pallas kernels ("pallas": on GPUs; in Pallas'
-      interpreter elsewhere), which take bfloat16 operands unless v is float32.
-    chunk_dtype: None: the matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
-      decayed K) in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in float32.
+    state_kernel: "xla": the chunked form in XLA, its loop over chunks a `lax.scan`; "pallas": the chunks'
+      inverses and the loop over chunks as Pallas kernels (compiled on GPUs, in Pallas' interpreter elsewhere), the
+      rest XLA's batched matmuls, every matmul on bfloat16 operands (float32 accumulation, state and decays)
+      unless v is float32.
+    chunk_dtype: the XLA form's matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
+      decayed K): None in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in
+      float32. The Pallas path ignores it.
 
   Returns:
     (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).

@@ -1,20 +1,25 @@
-"""The gated delta rule's state pass as Pallas (Triton) kernels: the sequential part of the chunked form.
+"""The gated delta rule's Pallas (Triton) kernels: the two parts of the chunked form that batched matmuls cannot do.
 
-`gated_delta` computes every state-independent quantity of a chunk with batched matmuls; what is left is a loop
-over chunks carrying the state S [K, V] (`_scan_chunks` there: a `lax.scan` whose every step is a handful of small
-XLA kernels). Here one program per (row, value head, block of V columns) keeps its slice of S on chip for the whole
-sequence:
+`gated_delta`'s kernel path computes everything else with XLA's batched matmuls over (row, chunk, head) and
+differentiates it by autodiff; these two carry their own VJPs:
 
-  forward, chunk n:  V_new = U − W S,  O = Qd S + P V_new,  S ← d S + Kdᵀ V_new
-  backward, n from the last chunk down, carrying dS (the gradient of the state leaving chunk n):
-    dV_new = Pᵀ dO + Kd dS,  dQd = dO Sᵀ,  dP = dO V_newᵀ,  dKd = V_new dSᵀ,  dd = Σ S ⊙ dS,
-    dU = dV_new,  dW = −dV_new Sᵀ,  dS ← Qdᵀ dO + d dS − Wᵀ dV_new
+- `unit_lower_inverse`: T = (I + A)⁻¹ of each chunk's strictly lower A [C, C], one program per matrix. The diagonal
+  blocks of 16 by forward substitution, the blocks below them by T_ij = −T_ii Σ_{j≤m<i} A_im T_mj (exact block
+  inversion: no powers of A, whose entries a Neumann series would let grow). Backward: dA = −Tᵀ dT Tᵀ.
+- `state_pass`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
+  keeping its slice of S on chip:
 
-with S the state entering chunk n, which the forward stores for the backward (N·K·V floats per row and head, what
-the `lax.scan`'s own residuals cost). Gradients that sum over V (dQd, dP, dKd, dW, dd) come out per block of V and
-are summed by XLA. Elsewhere than on a GPU the kernels run in Pallas' interpreter (the tests' path).
+    forward, chunk n:  S_n = S (stored),  V_new = U − W S,  S ← d S + Kdᵀ V_new
+    backward, n from the last chunk down, carrying dS (the gradient of the state leaving chunk n):
+      dS_n' = dS (stored),  dV_new = ∂V_new + Kd dS,  dS ← d dS + ∂S_n − Wᵀ dV_new
 
-Shape letters here: B rows, H value heads, N chunks, C chunk positions, K key dim, V value dim, J blocks of V.
+  with ∂ the cotangents that reach S_n and V_new from the output (O = Qd S_n + P V_new, computed by XLA). The
+  gradients of Kd, W and d contract over V, so XLA forms them from the stored S_n, dS_n', V_new and dV_new.
+
+Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
+and the decays are float32 inside. Elsewhere than on a GPU the kernels run in Pallas' interpreter (the tests' path).
+
+Shape letters here: M matrices, B rows, N chunks, C chunk positions, H value heads, K key dim, V value dim.
 """
 
 import functools
@@ -25,128 +30,181 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-BLOCK_V = 64  # V columns per program: S's slice [K, 64] in float32 stays in registers (fla's choice too)
+BLOCK = 16  # the inverse's diagonal blocks: the smallest a tensor-core dot takes
+BLOCK_V = 64  # V columns per state-pass program: S's slice [K, 64] in float32 stays in registers (fla's choice too)
+MIN_PROGRAMS = 256  # about two per SM of an H200 (132): a long row with few heads splits V finer to fill them
 
 
-def _dot(a, b, precision, trans_a=False, trans_b=False):
-  """a @ b (either transposed) with float32 accumulation; `precision` None: operands in bfloat16 (the tensor
-  cores' rate), else float32 at that precision."""
+def _precision(dtype):
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _dot(a, b, dtype, trans_a=False, trans_b=False):
+  """a @ b (either transposed) on `dtype` operands with float32 accumulation."""
   a = a.T if trans_a else a
   b = b.T if trans_b else b
-  if precision is None:
-    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-  return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+  return jnp.dot(a.astype(dtype), b.astype(dtype), precision=_precision(dtype), preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(qd_ref, kd_ref, w_ref, p_ref, u_ref, decay_ref, state_ref, o_ref, final_ref, states_ref, *,
-                    num_chunks, precision):
+def operand_einsum(spec, a, b, dtype):
+  """`jnp.einsum` on `dtype` operands with float32 accumulation (HIGHEST precision when float32). XLA:CPU cannot run
+  some bfloat16 dots with a float32 result ("Unsupported element type for DotThunk"): there the rounded operands
+  are multiplied as float32, the same products and sums."""
+  a, b = a.astype(dtype), b.astype(dtype)
+  if jax.default_backend() == "cpu":
+    a, b, dtype = a.astype(jnp.float32), b.astype(jnp.float32), jnp.float32
+  return jnp.einsum(spec, a, b, precision=_precision(dtype), preferred_element_type=jnp.float32)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_warps=4):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                        interpret=interpret, name=name,
+                        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+
+
+def _diagonal_inverse(l_ss, rows_ss, eye_ss):
+  """(I + L)⁻¹ of a strictly lower [16, 16] block by forward substitution: row i of T is e_i − Σ_j L_ij T_j (rows
+  below i are still e_j, and L_ij = 0 there)."""
+  t_ss = eye_ss
+  for i in range(1, l_ss.shape[0]):
+    l_i = jnp.sum(jnp.where(rows_ss == i, l_ss, 0.0), axis=0)
+    t_ss = t_ss - jnp.where(rows_ss == i, jnp.sum(l_i[:, None] * t_ss, axis=0)[None, :], 0.0)
+  return t_ss
+
+
+def _inverse_kernel(a_ref, t_ref):
+  blocks = a_ref.shape[-1] // BLOCK
+  rows_ss = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+  cols_ss = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  eye_ss = (rows_ss == cols_ss).astype(jnp.float32)
+  a = lambda i, j: a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(jnp.float32)
+  t = {(i, i): _diagonal_inverse(jnp.where(rows_ss > cols_ss, a(i, i), 0.0), rows_ss, eye_ss)
+       for i in range(blocks)}
+  for i in range(1, blocks):
+    for j in range(i - 1, -1, -1):
+      below = sum(_dot(a(i, m), t[m, j], jnp.float32) for m in range(j, i))
+      t[i, j] = -_dot(t[i, i], below, jnp.float32)
+  for i in range(blocks):
+    for j in range(blocks):
+      t_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = t.get((i, j), jnp.zeros_like(eye_ss))
+
+
+def _inverse(a_MCC, interpret):
+  m, c, _ = a_MCC.shape
+  spec = pl.BlockSpec((pl.squeezed, c, c), lambda i: (i, 0, 0))
+  return _call(_inverse_kernel, (m,), [spec], spec, jax.ShapeDtypeStruct(a_MCC.shape, jnp.float32), interpret,
+               "gated_delta_unit_lower_inverse")(a_MCC)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def unit_lower_inverse(a_XCC, dtype, interpret):
+  """(I + tril(A, −1))⁻¹ [..., C, C] float32, C a multiple of 16; `dtype` the backward's matmul operands."""
+  return _inverse(a_XCC.reshape(-1, *a_XCC.shape[-2:]), interpret).reshape(a_XCC.shape)
+
+
+def _unit_lower_inverse_fwd(a_XCC, dtype, interpret):
+  t_XCC = unit_lower_inverse(a_XCC, dtype, interpret)
+  return t_XCC, t_XCC
+
+
+def _unit_lower_inverse_bwd(dtype, interpret, t_XCC, dt_XCC):
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  da_XCC = -mm("...rt,...ut->...ru", mm("...sr,...st->...rt", t_XCC, dt_XCC), t_XCC)  # −Tᵀ dT Tᵀ
+  return (jnp.tril(da_XCC, -1),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def _state_forward_kernel(kd_ref, w_ref, u_ref, decay_ref, state_ref, states_ref, vnew_ref, final_ref, *,
+                          num_chunks, dtype):
   def chunk(n, s_KJ):
-    if states_ref is not None:
-      states_ref[n] = s_KJ
-    vnew_CJ = u_ref[n] - _dot(w_ref[n], s_KJ, precision)
-    o_ref[n] = (_dot(qd_ref[n], s_KJ, precision) + _dot(p_ref[n], vnew_CJ, precision)).astype(o_ref.dtype)
-    return decay_ref[pl.ds(n, 1)] * s_KJ + _dot(kd_ref[n], vnew_CJ, precision, trans_a=True)
+    states_ref[n] = s_KJ.astype(states_ref.dtype)
+    vnew_CJ = u_ref[n].astype(jnp.float32) - _dot(w_ref[n], s_KJ, dtype)
+    vnew_ref[n] = vnew_CJ.astype(vnew_ref.dtype)
+    return decay_ref[pl.ds(n, 1)] * s_KJ + _dot(kd_ref[n], vnew_CJ, dtype, trans_a=True)
 
   final_ref[...] = lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-def _backward_kernel(qd_ref, kd_ref, w_ref, p_ref, u_ref, decay_ref, states_ref, do_ref, dfinal_ref,
-                     dqd_ref, dkd_ref, dw_ref, dp_ref, du_ref, ddecay_ref, dstate_ref, *, num_chunks, precision):
+def _state_backward_kernel(kd_ref, w_ref, decay_ref, dstates_ref, dvnew_in_ref, dfinal_ref,
+                           dcarry_ref, dvnew_ref, dstate_ref, *, num_chunks, dtype):
   def chunk(i, ds_KJ):
     n = num_chunks - 1 - i
-    s_KJ, do_CJ, decay = states_ref[n], do_ref[n].astype(jnp.float32), decay_ref[pl.ds(n, 1)]
-    vnew_CJ = u_ref[n] - _dot(w_ref[n], s_KJ, precision)
-    dvnew_CJ = _dot(p_ref[n], do_CJ, precision, trans_a=True) + _dot(kd_ref[n], ds_KJ, precision)
-    dqd_ref[n] = _dot(do_CJ, s_KJ, precision, trans_b=True)
-    dp_ref[n] = _dot(do_CJ, vnew_CJ, precision, trans_b=True)
-    dkd_ref[n] = _dot(vnew_CJ, ds_KJ, precision, trans_b=True)
-    ddecay_ref[pl.ds(n, 1)] = jnp.sum(s_KJ * ds_KJ, keepdims=True).reshape(1)
-    du_ref[n] = dvnew_CJ
-    dw_ref[n] = -_dot(dvnew_CJ, s_KJ, precision, trans_b=True)
-    return (_dot(qd_ref[n], do_CJ, precision, trans_a=True) + decay * ds_KJ
-            - _dot(w_ref[n], dvnew_CJ, precision, trans_a=True))
+    dcarry_ref[n] = ds_KJ.astype(dcarry_ref.dtype)
+    dvnew_CJ = dvnew_in_ref[n].astype(jnp.float32) + _dot(kd_ref[n], ds_KJ, dtype)
+    dvnew_ref[n] = dvnew_CJ.astype(dvnew_ref.dtype)
+    return (decay_ref[pl.ds(n, 1)] * ds_KJ + dstates_ref[n].astype(jnp.float32)
+            - _dot(w_ref[n], dvnew_CJ, dtype, trans_a=True))
 
   dstate_ref[...] = lax.fori_loop(0, num_chunks, chunk, dfinal_ref[...].astype(jnp.float32))
 
 
-def _specs(n, c, k, block_v):
-  """BlockSpecs over the grid (row, head, block of V): whole-sequence slices of one row and head; `partial` for the
-  backward's gradients that sum over V, one per block of V on a leading axis."""
+def block_v(b, h, v):
+  """V columns per state-pass program: BLOCK_V, halved (down to 16) while the grid has under MIN_PROGRAMS."""
+  block = min(BLOCK_V, v)
+  while b * h * (v // block) < MIN_PROGRAMS and block > 16 and v % (block // 2) == 0:
+    block //= 2
+  return block
+
+
+def _specs(n, c, k, block):
+  """BlockSpecs over the grid (row, head, block of V) of whole-sequence slices: [B, N, C, H, ·] chunk tensors by
+  key columns or by V block, [B, N, H, K, V] per-chunk states, [B, H, N] decays, [B, H, K, V] states."""
   sq = pl.squeezed
-  whole = lambda *tail: pl.BlockSpec((sq, sq, n, *tail), lambda bi, hi, ji: (bi, hi, 0, 0, 0))
-  by_v = lambda *tail: pl.BlockSpec((sq, sq, n, *tail), lambda bi, hi, ji: (bi, hi, 0, 0, ji))
-  partial = lambda *tail: pl.BlockSpec((sq, sq, sq, n, *tail),
-                                       lambda bi, hi, ji: (ji, bi, hi, 0) + (0,) * len(tail))
-  return dict(chunk_k=whole(c, k), chunk_c=whole(c, c), chunk_v=by_v(c, block_v), states=by_v(k, block_v),
-              decay=pl.BlockSpec((sq, sq, n), lambda bi, hi, ji: (bi, hi, 0)),
-              state=pl.BlockSpec((sq, sq, k, block_v), lambda bi, hi, ji: (bi, hi, 0, ji)),
-              partial_k=partial(c, k), partial_c=partial(c, c), partial_decay=partial())
+  return dict(
+      chunk_k=pl.BlockSpec((sq, n, c, sq, k), lambda bi, hi, ji: (bi, 0, 0, hi, 0)),
+      chunk_v=pl.BlockSpec((sq, n, c, sq, block), lambda bi, hi, ji: (bi, 0, 0, hi, ji)),
+      states=pl.BlockSpec((sq, n, sq, k, block), lambda bi, hi, ji: (bi, 0, hi, 0, ji)),
+      decay=pl.BlockSpec((sq, sq, n), lambda bi, hi, ji: (bi, hi, 0)),
+      state=pl.BlockSpec((sq, sq, k, block), lambda bi, hi, ji: (bi, hi, 0, ji)))
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name):
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, name=name,
-                        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
-
-
-def _forward(qd, kd, w, p, u, decay, state, *, precision, save_states, interpret, out_dtype):
-  b, h, n, c, k = qd.shape
+def _grid_and_specs(kd, u):
+  b, n, c, h, k = kd.shape
   v = u.shape[-1]
-  block_v = min(BLOCK_V, v)
-  spec = _specs(n, c, k, block_v)
-  out_shape = [jax.ShapeDtypeStruct((b, h, n, c, v), out_dtype), jax.ShapeDtypeStruct((b, h, k, v), jnp.float32)]
-  out_specs = [spec["chunk_v"], spec["state"]]
-  if save_states:
-    out_shape.append(jax.ShapeDtypeStruct((b, h, n, k, v), jnp.float32))
-    out_specs.append(spec["states"])
-  kernel = functools.partial(_forward_kernel, num_chunks=n, precision=precision)
-  if not save_states:
-    kernel = functools.partial(lambda *refs, body: body(*refs, None), body=kernel)
-  return _call(kernel, (b, h, v // block_v),
-               [spec["chunk_k"], spec["chunk_k"], spec["chunk_k"], spec["chunk_c"], spec["chunk_v"], spec["decay"],
-                spec["state"]], out_specs, out_shape, interpret, "gated_delta_state_forward")(
-                    qd, kd, w, p, u, decay, state)
+  block = block_v(b, h, v)
+  return (b, h, v // block), _specs(n, c, k, block)
 
 
-def _backward(qd, kd, w, p, u, decay, states, do, dfinal, *, precision, interpret):
-  b, h, n, c, k = qd.shape
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def state_pass(kd, w, u, decay, state, dtype, interpret):
+  """The loop over chunks: (S_n [B, N, H, K, V] the state entering each chunk, in `dtype`; V_new [B, N, C, H, V] in
+  `dtype`; the final state [B, H, K, V] float32), from Kd, W [B, N, C, H, K] and U [B, N, C, H, V] in `dtype`, the
+  decays [B, H, N] and the initial state [B, H, K, V], float32."""
+  b, n, c, h, k = kd.shape
   v = u.shape[-1]
-  block_v = min(BLOCK_V, v)
-  j = v // block_v
-  spec = _specs(n, c, k, block_v)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  out_shape = [f32(j, b, h, n, c, k), f32(j, b, h, n, c, k), f32(j, b, h, n, c, k), f32(j, b, h, n, c, c),
-               f32(b, h, n, c, v), f32(j, b, h, n), f32(b, h, k, v)]
-  out_specs = [spec["partial_k"], spec["partial_k"], spec["partial_k"], spec["partial_c"], spec["chunk_v"],
-               spec["partial_decay"], spec["state"]]
-  kernel = functools.partial(_backward_kernel, num_chunks=n, precision=precision)
-  dqd, dkd, dw, dp, du, ddecay, dstate = _call(
-      kernel, (b, h, j), [spec["chunk_k"], spec["chunk_k"], spec["chunk_k"], spec["chunk_c"], spec["chunk_v"],
-                          spec["decay"], spec["states"], spec["chunk_v"], spec["state"]],
-      out_specs, out_shape, interpret, "gated_delta_state_backward")(qd, kd, w, p, u, decay, states, do, dfinal)
-  return dqd.sum(0), dkd.sum(0), dw.sum(0), dp.sum(0), du, ddecay.sum(0), dstate
+  grid, spec = _grid_and_specs(kd, u)
+  out_shape = [jax.ShapeDtypeStruct((b, n, h, k, v), dtype), jax.ShapeDtypeStruct(u.shape, dtype),
+               jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+  kernel = functools.partial(_state_forward_kernel, num_chunks=n, dtype=dtype)
+  return _call(kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["chunk_v"], spec["decay"], spec["state"]],
+               [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
+               "gated_delta_state_forward")(kd, w, u, decay, state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def state_pass(qd, kd, w, p, u, decay, state, precision, interpret, out_dtype):
-  """(O [B, H, N, C, V] in `out_dtype`, the final state [B, H, K, V] float32) of the chunked form's loop over
-  chunks, from the chunk quantities in [B, H, N, ...] order (float32; `decay` [B, H, N]) and the initial state.
-  `precision`: None for bfloat16 operands (float32 accumulation, state and decay), else the float32 matmuls'."""
-  o, final = _forward(qd, kd, w, p, u, decay, state, precision=precision, save_states=False, interpret=interpret,
-                      out_dtype=out_dtype)
-  return o, final
+def _state_pass_fwd(kd, w, u, decay, state, dtype, interpret):
+  states, vnew, final = state_pass(kd, w, u, decay, state, dtype, interpret)
+  return (states, vnew, final), (kd, w, u, decay, state, states, vnew)
 
 
-def _state_pass_fwd(qd, kd, w, p, u, decay, state, precision, interpret, out_dtype):
-  o, final, states = _forward(qd, kd, w, p, u, decay, state, precision=precision, save_states=True,
-                              interpret=interpret, out_dtype=out_dtype)
-  return (o, final), (qd, kd, w, p, u, decay, states)
-
-
-def _state_pass_bwd(precision, interpret, out_dtype, residuals, cotangents):
-  qd, kd, w, p, u, decay, states = residuals
-  do, dfinal = cotangents
-  return _backward(qd, kd, w, p, u, decay, states, do, dfinal, precision=precision, interpret=interpret)
+def _state_pass_bwd(dtype, interpret, residuals, cotangents):
+  kd, w, u, decay, state, states, vnew = residuals
+  dstates, dvnew_in, dfinal = cotangents
+  n = kd.shape[1]
+  grid, spec = _grid_and_specs(kd, u)
+  out_shape = [jax.ShapeDtypeStruct(states.shape, dtype), jax.ShapeDtypeStruct(vnew.shape, dtype),
+               jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+  kernel = functools.partial(_state_backward_kernel, num_chunks=n, dtype=dtype)
+  dcarry, dvnew, dstate = _call(
+      kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["decay"], spec["states"], spec["chunk_v"],
+                     spec["state"]], [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
+      "gated_delta_state_backward")(kd, w, decay, dstates, dvnew_in, dfinal)
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  dkd = mm("bnchv,bnhkv->bnchk", vnew, dcarry)
+  dw = -mm("bnchv,bnhkv->bnchk", dvnew, states)
+  ddecay = jnp.moveaxis(jnp.sum(states.astype(jnp.float32) * dcarry.astype(jnp.float32), axis=(-2, -1)), 1, 2)
+  return dkd.astype(kd.dtype), dw.astype(w.dtype), dvnew.astype(u.dtype), ddecay, dstate
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
