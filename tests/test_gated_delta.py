@@ -4,11 +4,13 @@ plain recurrence (outputs, final state and every gradient, a nonzero initial sta
 independent; state passing over shards (context parallelism's building block) equals the whole sequence."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from models.attention import gated_delta as gd, gated_delta_kernels as gk
 from models.attention.gated_delta import (chunk_transition, combine_transitions, gated_delta_rule,
@@ -133,6 +135,28 @@ def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   assert relative(o, o_ref) < 3e-2 and relative(s, s_ref) < 3e-2
   for name in x:
     assert relative(dx[name], dx_ref[name]) < 3e-2, name
+
+def test_the_kernels_lower_to_triton_for_a_gpu(monkeypatch):
+  """Pallas' Triton lowering of the kernel path's three kernels, forward and backward, bfloat16 at the 35B model's
+  head sizes, run here by exporting the jitted gradient for CUDA (no GPU needed): what a GPU would first refuse (an
+  op with no Triton lowering, a load whose size is not a power of 2). Triton's own compilation is `pytest -m gpu`'s.
+  Mutant killed: a state-pass block of 48 columns."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled kernels, not the interpreter
+  b, s, hk, hv, k = 1, 96, 1, 2, 128
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+
+  def loss(q, k_, v, g, beta, state, seg):
+    o, final = gated_delta_rule(q, k_, v, g, beta, segment_ids=seg, initial_state=state, output_final_state=True,
+                                state_kernel="pallas")
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+  exported = export.export(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), platforms=["cuda"],
+                           disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+      bf16(b, s, hk, k), bf16(b, s, hk, k), bf16(b, s, hv, k), f32(b, s, hv), f32(b, s, hv), f32(b, hv, k, k),
+      jax.ShapeDtypeStruct((b, s), jnp.int32))
+  kernels = set(re.findall(r'name = "(gated_delta_\w+)"', exported.mlir_module()))
+  assert kernels == {"gated_delta_unit_lower_inverse", "gated_delta_state_forward", "gated_delta_state_backward"}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
