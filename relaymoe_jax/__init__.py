@@ -26,8 +26,9 @@ point here):
   Y     MoE layers (a model's, in order)
   A     micro-batches of one training step (gradient accumulation)
   In Qwen3.5's Gated DeltaNet (`models.qwen35`): C its conv channels ([q | k | v]), Q its value heads, X a head's
-  width, W the conv window; inside the gated delta rule (`models.attention.gated_delta`, its own legend) H heads,
-  K / V a head's key / value width, C chunk positions and N chunks.
+  width, W the conv window; inside the gated delta rule (`models.attention.gated_delta*`, its own legend) H value
+  heads, G key heads, R value heads per key head, K / V a head's key / value width, C chunk positions, N chunks,
+  J one block's columns of V, M matrices and X any leading dims.
 
     y, aux = rm.nnx.MoE(d_model, num_experts=E, top_k=K, d_ff=F, mesh=mesh, rngs=rngs)(x_BSD)  # or rm.linen.MoE
     idx_TK, w_TK, aux = route(x_TD, router_DE, top_k=K)

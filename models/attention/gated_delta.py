@@ -28,83 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention.gated_delta_kernels import BLOCK, operand_einsum, state_pass, unit_lower_inverse
-
-# Matching float32 references needs full float32 matmuls; DEFAULT precision may use TF32 on GPUs.
-_PRECISION = lax.Precision.HIGHEST
-
-
-def _einsum(spec, *operands):
-  return jnp.einsum(spec, *operands, precision=_PRECISION)
-
+from models.attention import gated_delta_chunks as gdc
+from models.attention.gated_delta_kernels import kernel_chunked_forward, operand_einsum
 
 def _chunk_einsum(spec, a, b, dtype):
   """A state-independent matmul of the chunked form: float32 at full precision (dtype None), or `dtype` operands
   with float32 accumulation (fla's choice for bfloat16 models)."""
   return operand_einsum(spec, a, b, dtype or jnp.float32)
-
-
-def _l2_normalize(x_BSHK):
-  return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
-
-
-def _normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
-  """float32, optional L2 norm, q scaled by K^-1/2; the key heads' count checked against the value heads'."""
-  if num_v_heads % k_BSGK.shape[2]:
-    raise ValueError(f"{num_v_heads} value heads are not a multiple of {k_BSGK.shape[2]} key heads")
-  q_BSGK, k_BSGK = q_BSGK.astype(jnp.float32), k_BSGK.astype(jnp.float32)
-  if l2_normalize:
-    q_BSGK, k_BSGK = _l2_normalize(q_BSGK), _l2_normalize(k_BSGK)
-  return q_BSGK * q_BSGK.shape[-1] ** -0.5, k_BSGK
-
-
-def _prepare_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
-  """`_normalize_qk`, key heads repeated to value heads."""
-  q_BSGK, k_BSGK = _normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize)
-  repeats = num_v_heads // k_BSGK.shape[2]
-  return jnp.repeat(q_BSGK, repeats, axis=2), jnp.repeat(k_BSGK, repeats, axis=2)
-
-
-def _segment_ids(segment_ids_BS, batch, seq_len):
-  return jnp.zeros((batch, seq_len), jnp.int32) if segment_ids_BS is None else jnp.asarray(segment_ids_BS)
-
-
-def _to_chunks(x_BS, chunk_size, mode="constant"):
-  """[B, S, ...] → [B, N, C, ...], right-padding S to a multiple of C."""
-  pad = -x_BS.shape[1] % chunk_size
-  x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2), mode=mode)
-  return x_BS.reshape(x_BS.shape[0], -1, chunk_size, *x_BS.shape[2:])
-
-
-def _diagonal_blocks(x_XCC, size):
-  """[..., C, C] → [..., C / size, size, size], the blocks on the diagonal."""
-  n = x_XCC.shape[-1] // size
-  x_XnsNs = x_XCC.reshape(x_XCC.shape[:-2] + (n, size, n, size))
-  return jnp.moveaxis(jnp.diagonal(x_XnsNs, axis1=-4, axis2=-2), -1, -3)
-
-
-def _unit_lower_inverse(a_XCC):
-  """(I + strictly_lower(A))⁻¹ by merging diagonal blocks of doubling size.
-
-  [[T₁, 0], [−T₂ A₂₁ T₁, T₂]] inverts [[I + A₁₁, 0], [A₂₁, I + A₂₂]]: log2(C) rounds of
-  batched matmuls. Not jax.scipy.linalg.solve_triangular: on CPU it lowers to a LAPACK custom
-  call that intermittently hung the XLA runtime (jaxlib 0.10.2) inside the backward pass.
-  """
-  c = a_XCC.shape[-1]
-  padded = 1 << (c - 1).bit_length()
-  a_XPP = jnp.pad(jnp.tril(a_XCC, -1), [(0, 0)] * (a_XCC.ndim - 2) + [(0, padded - c)] * 2)
-  inv_XNss = jnp.ones(a_XPP.shape[:-2] + (padded, 1, 1), a_XPP.dtype)
-  size = 1
-  while size < padded:
-    t1_XNss, t2_XNss = inv_XNss[..., 0::2, :, :], inv_XNss[..., 1::2, :, :]
-    a21_XNss = _diagonal_blocks(a_XPP, 2 * size)[..., size:, :size]
-    t21_XNss = -_einsum("...ij,...jk,...kl->...il", t2_XNss, a21_XNss, t1_XNss)
-    inv_XNss = jnp.concatenate([
-        jnp.concatenate([t1_XNss, jnp.zeros_like(t1_XNss)], axis=-1),
-        jnp.concatenate([t21_XNss, t2_XNss], axis=-1),
-    ], axis=-2)
-    size *= 2
-  return inv_XNss[..., 0, :c, :c]
 
 
 class _Chunks(NamedTuple):
@@ -117,48 +47,22 @@ class _Chunks(NamedTuple):
   decay_BNH: jax.Array  # c exp(Γ_C)
 
 
-class _Masks(NamedTuple):
-  """Where documents let chunk positions see each other and the state, as float32 0/1."""
-  sees_BNCC: jax.Array  # s ≤ r in the same document
-  reads_BNC: jax.Array  # m: position r lies in the incoming state's document
-  writes_BNC: jax.Array  # e: position s lies in the chunk's last document
-  keeps_BN: jax.Array  # c: the chunk's last document is the incoming state's
-
-
-def _chunk_masks(seg_BS, chunk_size):
-  # Padding joins the last document, so with g = β = 0 it leaves that document's state intact.
-  seg_BNC = _to_chunks(seg_BS, chunk_size, mode="edge")
-  seg_in_BN = jnp.concatenate([seg_BNC[:, :1, 0], seg_BNC[:, :-1, -1]], axis=1)
-  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
-  return _Masks(sees_BNCC=same_BNCC & jnp.tril(jnp.ones((chunk_size, chunk_size), bool)),
-                reads_BNC=(seg_BNC == seg_in_BN[..., None]).astype(jnp.float32),
-                writes_BNC=(seg_BNC == seg_BNC[..., -1:]).astype(jnp.float32),
-                keeps_BN=(seg_BNC[..., -1] == seg_in_BN).astype(jnp.float32))
-
-
-def _decays(gamma_XC, sees_XCC):
-  """exp(Γ_r − Γ_s) where s sees r, else 0; masking before exp keeps exp(positive) overflow out of both the values
-  and the gradients."""
-  diff_XCC = gamma_XC[..., :, None] - gamma_XC[..., None, :]
-  return jnp.where(sees_XCC, jnp.exp(jnp.where(sees_XCC, diff_XCC, 0.0)), 0.0)
-
-
 def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_size, l2_normalize, chunk_dtype=None):
   """Everything that does not depend on the state, for all chunks at once (`chunk_dtype`: see `_chunk_einsum`)."""
-  q_BSHK, k_BSHK = _prepare_qk(q_BSHK, k_BSHK, v_BSHV.shape[2], l2_normalize)
-  to_BNHC = lambda x: jnp.moveaxis(_to_chunks(x.astype(jnp.float32), chunk_size), 3, 2)
+  q_BSHK, k_BSHK = gdc.prepare_qk(q_BSHK, k_BSHK, v_BSHV.shape[2], l2_normalize)
+  to_BNHC = lambda x: jnp.moveaxis(gdc.to_chunks(x.astype(jnp.float32), chunk_size), 3, 2)
   q_BNHCK, k_BNHCK, v_BNHCV = to_BNHC(q_BSHK), to_BNHC(k_BSHK), to_BNHC(v_BSHV)
   g_BNHC, beta_BNHC = to_BNHC(g_BSH[..., None])[..., 0], to_BNHC(beta_BSH[..., None])[..., 0]
-  masks = _chunk_masks(seg_BS, chunk_size)
+  masks = gdc.chunk_masks(seg_BS, chunk_size)
   reads_BN1C, writes_BN1C = masks.reads_BNC[:, :, None], masks.writes_BNC[:, :, None]
   keeps_BN1 = masks.keeps_BN[:, :, None]
 
   gamma_BNHC = jnp.cumsum(g_BNHC, axis=-1)
-  decay_BNHCC = _decays(gamma_BNHC, masks.sees_BNCC[:, :, None])
+  decay_BNHCC = gdc.decays(gamma_BNHC, masks.sees_BNCC[:, :, None])
   gamma_end_BNH1 = gamma_BNHC[..., -1:]
 
   a_BNHCC = _chunk_einsum("bnhrk,bnhsk->bnhrs", k_BNHCK, k_BNHCK, chunk_dtype) * beta_BNHC[..., None] * decay_BNHCC
-  inv_BNHCC = _unit_lower_inverse(a_BNHCC)
+  inv_BNHCC = gdc.unit_lower_inverse(a_BNHCC)
   wk_BNHCK = k_BNHCK * (beta_BNHC * reads_BN1C * jnp.exp(gamma_BNHC))[..., None]
   return _Chunks(
       qd_BNHCK=q_BNHCK * (reads_BN1C * jnp.exp(gamma_BNHC))[..., None],
@@ -174,11 +78,11 @@ def _scan_chunks(chunks, state_BHKV):
   """Carries the state across chunks; returns (o [B, N·C, H, V], final state)."""
 
   def step(state_BHKV, chunk):  # one chunk: the fields lose their N axis
-    vnew_BHCV = chunk.u_BNHCV - _einsum("bhck,bhkv->bhcv", chunk.w_BNHCK, state_BHKV)
-    o_BHCV = (_einsum("bhck,bhkv->bhcv", chunk.qd_BNHCK, state_BHKV)
-              + _einsum("bhrs,bhsv->bhrv", chunk.p_BNHCC, vnew_BHCV))
+    vnew_BHCV = chunk.u_BNHCV - gdc.einsum("bhck,bhkv->bhcv", chunk.w_BNHCK, state_BHKV)
+    o_BHCV = (gdc.einsum("bhck,bhkv->bhcv", chunk.qd_BNHCK, state_BHKV)
+              + gdc.einsum("bhrs,bhsv->bhrv", chunk.p_BNHCC, vnew_BHCV))
     state_BHKV = (chunk.decay_BNH[..., None, None] * state_BHKV
-                  + _einsum("bhck,bhcv->bhkv", chunk.kd_BNHCK, vnew_BHCV))
+                  + gdc.einsum("bhck,bhcv->bhkv", chunk.kd_BNHCK, vnew_BHCV))
     return state_BHKV, o_BHCV
 
   chunks_N = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
@@ -187,55 +91,12 @@ def _scan_chunks(chunks, state_BHKV):
   return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
 
 
-def _kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  """The chunked form with the Pallas kernels (`gated_delta_kernels`): the inverses and the loop over chunks as
-  kernels, the rest XLA's batched matmuls over (row, chunk, head), q and k at their key heads (value head h = key
-  head g, repeat r); operands bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
-  dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
-  interpret = jax.default_backend() != "gpu"
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  b, s, hk, _ = k.shape
-  hv, dv = v.shape[2:]
-  r = hv // hk
-  q_BSGK, k_BSGK = _normalize_qk(q, k, hv, l2_normalize)
-  q_BNCGK, k_BNCGK = (_to_chunks(x, chunk_size).astype(dtype) for x in (q_BSGK, k_BSGK))
-  n = q_BNCGK.shape[1]
-  by_key_head = lambda x_BSH: _to_chunks(x_BSH.astype(jnp.float32), chunk_size).reshape(b, n, chunk_size, hk, r)
-  gamma_BNCGR, beta_BNCGR = jnp.cumsum(by_key_head(g), axis=2), by_key_head(beta)
-  v_BNCGRV = _to_chunks(v, chunk_size).reshape(b, n, chunk_size, hk, r, dv)
-  masks = _chunk_masks(seg_BS, chunk_size)
-  per_position = lambda x_BNC: x_BNC[..., None, None]  # [B, N, C, 1, 1] against [B, N, C, G, R]
-
-  gamma_end_BNGR = gamma_BNCGR[:, :, -1]
-  decay_BNGRCC = _decays(jnp.moveaxis(gamma_BNCGR, 2, -1), masks.sees_BNCC[:, :, None, None])
-  kk_BNG1CC = mm("bncgk,bnsgk->bngcs", k_BNCGK, k_BNCGK)[:, :, :, None]
-  a_BNGRCC = kk_BNG1CC * jnp.moveaxis(beta_BNCGR, 2, -1)[..., None] * decay_BNGRCC
-  t_BNGRCC = (unit_lower_inverse(a_BNGRCC, dtype, interpret) if chunk_size % BLOCK == 0
-              else _unit_lower_inverse(a_BNGRCC))
-  scaled = lambda x_BNCGK, scale_BNCGR: (x_BNCGK[:, :, :, :, None] * scale_BNCGR[..., None]).astype(dtype)
-  xw_BNCGRK = scaled(k_BNCGK, beta_BNCGR * per_position(masks.reads_BNC) * jnp.exp(gamma_BNCGR))
-  u_BNCGRV = mm("bngrcs,bnsgrv->bncgrv", t_BNGRCC, v_BNCGRV * beta_BNCGR[..., None]).astype(dtype)
-  w_BNCGRK = mm("bngrcs,bnsgrk->bncgrk", t_BNGRCC, xw_BNCGRK).astype(dtype)
-  kd_BNCGRK = scaled(k_BNCGK, per_position(masks.writes_BNC) * jnp.exp(gamma_end_BNGR[:, :, None] - gamma_BNCGR))
-  decay_BNGR = masks.keeps_BN[..., None, None] * jnp.exp(gamma_end_BNGR)
-  heads = lambda x: x.reshape(*x.shape[:3], hv, x.shape[-1])  # [B, N, C, G, R, ·] → [B, N, C, H, ·]
-  states_BNHKV, vnew_BNCHV, state_BHKV = state_pass(
-      heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), jnp.moveaxis(decay_BNGR.reshape(b, n, hv), 1, 2),
-      state_BHKV, dtype, interpret)
-
-  qd_BNCGRK = scaled(q_BNCGK, per_position(masks.reads_BNC) * jnp.exp(gamma_BNCGR))
-  p_BNGRCC = mm("bncgk,bnsgk->bngcs", q_BNCGK, k_BNCGK)[:, :, :, None] * decay_BNGRCC
-  o_BNCGRV = (mm("bncgrk,bngrkv->bncgrv", qd_BNCGRK, states_BNHKV.reshape(b, n, hk, r, *states_BNHKV.shape[-2:]))
-              + mm("bngrcs,bnsgrv->bncgrv", p_BNGRCC, vnew_BNCHV.reshape(b, n, chunk_size, hk, r, dv)))
-  return o_BNCGRV.reshape(b, n * chunk_size, hv, dv)[:, :s].astype(v.dtype), state_BHKV
-
-
 STATE_KERNELS = ("xla", "pallas")
 
 
 def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
   if state_kernel == "pallas":
-    return _kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size,
+    return kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size,
                                    l2_normalize)
   chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize, chunk_dtype)
   o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
@@ -300,7 +161,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
   """
   if state_kernel not in STATE_KERNELS:
     raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
-  seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
+  seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
   o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel,
                                 chunk_dtype)
@@ -312,17 +173,17 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_st
   """Token-by-token gated delta rule (the reference); arguments and returns as `gated_delta_rule`."""
   del chunk_size
   batch, seq_len = v.shape[:2]
-  q_BSHK, k_BSHK = _prepare_qk(q, k, v.shape[2], l2_normalize)
-  seg_BS = _segment_ids(segment_ids, batch, seq_len)
+  q_BSHK, k_BSHK = gdc.prepare_qk(q, k, v.shape[2], l2_normalize)
+  seg_BS = gdc.segment_ids(segment_ids, batch, seq_len)
   keep_BS = jnp.concatenate(
       [jnp.ones((batch, 1), bool), seg_BS[:, 1:] == seg_BS[:, :-1]], axis=1).astype(jnp.float32)
 
   def step(state_BHKV, x):
     q_BHK, k_BHK, v_BHV, g_BH, beta_BH, keep_B = x
     state_BHKV = state_BHKV * (keep_B[:, None] * jnp.exp(g_BH))[..., None, None]
-    u_BHV = beta_BH[..., None] * (v_BHV - _einsum("bhkv,bhk->bhv", state_BHKV, k_BHK))
+    u_BHV = beta_BH[..., None] * (v_BHV - gdc.einsum("bhkv,bhk->bhv", state_BHKV, k_BHK))
     state_BHKV = state_BHKV + k_BHK[..., :, None] * u_BHV[..., None, :]
-    return state_BHKV, _einsum("bhkv,bhk->bhv", state_BHKV, q_BHK)
+    return state_BHKV, gdc.einsum("bhkv,bhk->bhv", state_BHKV, q_BHK)
 
   xs = [x.astype(jnp.float32) for x in (q_BSHK, k_BSHK, v, g, beta, keep_BS)]
   state_BHKV = _initial_state(initial_state, v, k.shape[-1]).astype(jnp.float32)
@@ -341,18 +202,18 @@ def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_no
     (M [B, Hv, K, K], b [B, Hv, K, V]), float32. M is zero if the sequence has a document
     boundary, since the initial state then cannot reach the final state.
   """
-  seg_BS = _segment_ids(segment_ids, v.shape[0], v.shape[1])
+  seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
   chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
   eye_KK = jnp.eye(k.shape[-1], dtype=jnp.float32)
   m_BNHKK = (chunks.decay_BNH[..., None, None] * eye_KK
-             - _einsum("bnhck,bnhcj->bnhkj", chunks.kd_BNHCK, chunks.w_BNHCK))
-  b_BNHKV = _einsum("bnhck,bnhcv->bnhkv", chunks.kd_BNHCK, chunks.u_BNHCV)
+             - gdc.einsum("bnhck,bnhcj->bnhkj", chunks.kd_BNHCK, chunks.w_BNHCK))
+  b_BNHKV = gdc.einsum("bnhck,bnhcv->bnhkv", chunks.kd_BNHCK, chunks.u_BNHCV)
 
   def step(carry, x):
     m_BHKK, b_BHKV = carry
     mn_BHKK, bn_BHKV = x
-    return (_einsum("bhij,bhjk->bhik", mn_BHKK, m_BHKK),
-            _einsum("bhij,bhjv->bhiv", mn_BHKK, b_BHKV) + bn_BHKV), None
+    return (gdc.einsum("bhij,bhjk->bhik", mn_BHKK, m_BHKK),
+            gdc.einsum("bhij,bhjv->bhiv", mn_BHKK, b_BHKV) + bn_BHKV), None
 
   # zeros_like: under shard_map the carries vary over the mesh axes as the inputs do.
   init = (eye_KK + jnp.zeros_like(m_BNHKK[:, 0]), jnp.zeros_like(b_BNHKV[:, 0]))
@@ -380,7 +241,7 @@ def combine_transitions(ms, bs, *, initial_state=None, resets=None):
 
   def step(state_BHKV, x):
     m_BHKK, b_BHKV, keep_B = x
-    new_BHKV = _einsum("bhij,bhjv->bhiv", m_BHKK, state_BHKV) + b_BHKV
+    new_BHKV = gdc.einsum("bhij,bhjv->bhiv", m_BHKK, state_BHKV) + b_BHKV
     return new_BHKV * keep_B[:, None, None, None], state_BHKV
 
   # keep of the next shard; the state after the last shard (unused) is never reset.

@@ -1,7 +1,7 @@
-"""The gated delta rule's Pallas (Triton) kernels: the two parts of the chunked form that batched matmuls cannot do.
-
-`gated_delta`'s kernel path computes everything else with XLA's batched matmuls over (row, chunk, head) and
-differentiates it by autodiff; these two carry their own VJPs:
+"""The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): `kernel_chunked_forward`, the
+chunked form (`gated_delta`'s docstring) as XLA's batched matmuls over (row, chunk, head), q and k at their key
+heads, differentiated by autodiff, around two Pallas (Triton) kernels for what batched matmuls cannot do, each with
+its own VJP:
 
 - `unit_lower_inverse`: T = (I + A)⁻¹ of each chunk's strictly lower A [C, C], one program per matrix. The diagonal
   blocks of 16 by forward substitution, the blocks below them by T_ij = −T_ii Σ_{j≤m<i} A_im T_mj (exact block
@@ -19,16 +19,19 @@ differentiates it by autodiff; these two carry their own VJPs:
 Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
 and the decays are float32 inside. Elsewhere than on a GPU the kernels run in Pallas' interpreter (the tests' path).
 
-Shape letters here: M matrices, B rows, N chunks, C chunk positions, H value heads, K key dim, V value dim.
+Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from models.attention import gated_delta_chunks as gdc
 
 BLOCK = 16  # the inverse's diagonal blocks: the smallest a tensor-core dot takes
 BLOCK_V = 64  # V columns per state-pass program: S's slice [K, 64] in float32 stays in registers (fla's choice too)
@@ -208,3 +211,71 @@ def _state_pass_bwd(dtype, interpret, residuals, cotangents):
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+class _HeadChunks(NamedTuple):
+  """The kernel path's inputs in chunks: q and k at their key heads (value head h = key head g, repeat r)."""
+  q_BNCGK: jax.Array  # normalised, in the operand dtype
+  k_BNCGK: jax.Array
+  v_BNCGRV: jax.Array
+  gamma_BNCGR: jax.Array  # Γ, the chunk's cumulative log decay, float32
+  beta_BNCGR: jax.Array
+
+
+def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype):
+  b, _, hk, _ = k.shape
+  hv, dv = v.shape[2:]
+  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, hv, l2_normalize)
+  q_BNCGK, k_BNCGK = (gdc.to_chunks(x, chunk_size).astype(dtype) for x in (q_BSGK, k_BSGK))
+  n = q_BNCGK.shape[1]
+  by_key_head = lambda x_BSH: gdc.to_chunks(x_BSH.astype(jnp.float32), chunk_size).reshape(b, n, chunk_size, hk, -1)
+  return _HeadChunks(q_BNCGK, k_BNCGK, gdc.to_chunks(v, chunk_size).reshape(b, n, chunk_size, hk, hv // hk, dv),
+                     jnp.cumsum(by_key_head(g), axis=2), by_key_head(beta))
+
+
+def _per_position(x_BNC):
+  return x_BNC[..., None, None]  # [B, N, C, 1, 1] against [B, N, C, G, R]
+
+
+def _scaled(x_BNCGK, scale_BNCGR, dtype):
+  return (x_BNCGK[:, :, :, :, None] * scale_BNCGR[..., None]).astype(dtype)
+
+
+def _wy(x, masks, decay_BNGRCC, dtype, interpret):
+  """(U, W) [B, N, C, G, R, ·] in `dtype`: (I + A)⁻¹ times βV and times the decayed K, the inverse a kernel."""
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  kk_BNG1CC = mm("bncgk,bnsgk->bngcs", x.k_BNCGK, x.k_BNCGK)[:, :, :, None]
+  a_BNGRCC = kk_BNG1CC * jnp.moveaxis(x.beta_BNCGR, 2, -1)[..., None] * decay_BNGRCC
+  chunk_size = a_BNGRCC.shape[-1]
+  t_BNGRCC = (unit_lower_inverse(a_BNGRCC, dtype, interpret) if chunk_size % BLOCK == 0
+              else gdc.unit_lower_inverse(a_BNGRCC))
+  xw_BNCGRK = _scaled(x.k_BNCGK, x.beta_BNCGR * _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
+  return (mm("bngrcs,bnsgrv->bncgrv", t_BNGRCC, x.v_BNCGRV * x.beta_BNCGR[..., None]).astype(dtype),
+          mm("bngrcs,bnsgrk->bncgrk", t_BNGRCC, xw_BNCGRK).astype(dtype))
+
+
+def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  """The chunked form with the Pallas kernels (`gated_delta_kernels`): the inverses and the loop over chunks as
+  kernels, the rest XLA's batched matmuls over (row, chunk, head), q and k at their key heads; operands bfloat16
+  unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
+  dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
+  interpret = jax.default_backend() != "gpu"
+  x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
+  masks = gdc.chunk_masks(seg_BS, chunk_size)
+  b, n, c, hk, r, dv = x.v_BNCGRV.shape
+  decay_BNGRCC = gdc.decays(jnp.moveaxis(x.gamma_BNCGR, 2, -1), masks.sees_BNCC[:, :, None, None])
+  u_BNCGRV, w_BNCGRK = _wy(x, masks, decay_BNGRCC, dtype, interpret)
+  gamma_end_BNGR = x.gamma_BNCGR[:, :, -1]
+  kd_BNCGRK = _scaled(x.k_BNCGK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BNGR[:, :, None]
+                                                                           - x.gamma_BNCGR), dtype)
+  decay_BHN = jnp.moveaxis((masks.keeps_BN[..., None, None] * jnp.exp(gamma_end_BNGR)).reshape(b, n, -1), 1, 2)
+  heads = lambda x_BNCGR_: x_BNCGR_.reshape(b, n, c, hk * r, -1)
+  states_BNHKV, vnew_BNCHV, state_BHKV = state_pass(heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), decay_BHN,
+                                                    state_BHKV, dtype, interpret)
+
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  qd_BNCGRK = _scaled(x.q_BNCGK, _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
+  p_BNGRCC = mm("bncgk,bnsgk->bngcs", x.q_BNCGK, x.k_BNCGK)[:, :, :, None] * decay_BNGRCC
+  o_BNCGRV = (mm("bncgrk,bngrkv->bncgrv", qd_BNCGRK, states_BNHKV.reshape(b, n, hk, r, *states_BNHKV.shape[-2:]))
+              + mm("bngrcs,bnsgrv->bncgrv", p_BNGRCC, vnew_BNCHV.reshape(b, n, c, hk, r, dv)))
+  return o_BNCGRV.reshape(b, n * c, hk * r, dv)[:, :v.shape[1]].astype(v.dtype), state_BHKV
