@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
+from models.attention import cudnn
 from models.attention.context_parallel import XLA_TILES, context_attention
 from models.attention.cudnn import CUDNN_TILES, tile_kernels
 from models.sharding import MESH_AXES
@@ -19,6 +20,24 @@ def test_xla_tiles_where_cudnn_cannot_attend(caplog):
   with caplog.at_level(logging.WARNING):
     assert tile_kernels("auto", "gpu", jnp.float32) is XLA_TILES
   assert "takes bfloat16 or float16, not float32" in caplog.text
+
+
+def test_heads_wider_than_cudnn_takes_get_xla_tiles(monkeypatch, caplog):
+  """JAX's cuDNN check refuses heads over 128 unless it sees a Hopper (Qwen3.5's attention has 256): under context
+  parallelism "auto" then takes XLA's tiles with a warning, "cudnn" says why; before, the tile call raised JAX's
+  NotImplementedError inside the step."""
+  monkeypatch.setattr(cudnn, "jax_cudnn", type("JaxCudnn", (), dict(
+      _dot_product_attention_bwd_p_wrapper=None, check_cudnn_version=staticmethod(lambda: 90800),
+      check_compute_capability=staticmethod(lambda capability: False))))
+  with caplog.at_level(logging.WARNING):
+    assert tile_kernels("auto", "gpu", jnp.bfloat16, 256) is XLA_TILES
+  assert "heads of at most 128, a multiple of 8, not 256" in caplog.text
+  with pytest.raises(ValueError, match="not 256"):
+    tile_kernels("cudnn", "gpu", jnp.bfloat16, 256)
+  assert tile_kernels("auto", "gpu", jnp.bfloat16, 128) is CUDNN_TILES
+  monkeypatch.setattr(cudnn.jax_cudnn, "check_compute_capability", staticmethod(lambda capability: True))
+  assert tile_kernels("auto", "gpu", jnp.bfloat16, 256) is CUDNN_TILES  # a Hopper takes 256
+  assert tile_kernels("auto", "gpu", jnp.bfloat16, 100) is XLA_TILES
 
 
 def test_asking_for_cudnn_where_it_cannot_attend_names_why():

@@ -64,14 +64,23 @@ def keeps_kernel_outputs(prim, *_, **__):
   return jax_cudnn is not None and prim is getattr(jax_cudnn, "_dot_product_attention_fwd_p_wrapper", None)
 
 
-def unavailable(platform, dtype):
-  """Why cuDNN tiles cannot attend here, or None."""
+def max_head_dim():
+  """The widest head JAX's cuDNN check lets through: 256 where it sees a Hopper or later GPU among this process's
+  devices, else 128 (compiling for GPUs from a CPU host, it sees none)."""
+  hopper = getattr(jax_cudnn, "check_compute_capability", None)
+  return 256 if hopper is not None and hopper("9.0") else 128
+
+
+def unavailable(platform, dtype, head_dim=None):
+  """Why cuDNN tiles cannot attend here, or None; `head_dim` checked against JAX's limits where given."""
   if platform != "gpu":
     return f"the devices are {platform}, not GPUs"
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN flash attention takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
   if jax_cudnn is None or not hasattr(jax_cudnn, "_dot_product_attention_bwd_p_wrapper"):
     return "this JAX has no cuDNN attention primitives"
+  if head_dim is not None and (head_dim % 8 or head_dim > max_head_dim()):
+    return f"cuDNN flash attention here takes heads of at most {max_head_dim()}, a multiple of 8, not {head_dim}"
   try:
     jax_cudnn.check_cudnn_version()
   except RuntimeError as err:
@@ -79,11 +88,12 @@ def unavailable(platform, dtype):
   return None
 
 
-def tile_kernels(implementation, platform, dtype):
-  """The `TileKernels` for `runtime.attention_implementation` ('auto', 'xla' or 'cudnn') on `platform`."""
+def tile_kernels(implementation, platform, dtype, head_dim=None):
+  """The `TileKernels` for `runtime.attention_implementation` ('auto', 'xla' or 'cudnn') on `platform`, for heads of
+  `head_dim` (None: not checked)."""
   if implementation == "xla":
     return XLA_TILES
-  reason = unavailable(platform, dtype)
+  reason = unavailable(platform, dtype, head_dim)
   if reason is None:
     return CUDNN_TILES
   if implementation == "cudnn":

@@ -75,7 +75,7 @@ def documents_attention_on(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, mesh, 
 
 def unavailable(platform, q_BSQZ, k_BSJZ):
   """Why the packed layout cannot attend these on `platform`'s devices, or None."""
-  reason = cudnn_attention.unavailable(platform, q_BSQZ.dtype)
+  reason = cudnn_attention.unavailable(platform, q_BSQZ.dtype, q_BSQZ.shape[-1])
   if reason is None and not jax_cudnn.check_compute_capability("9.0"):
     reason = "cuDNN's packed layout needs a Hopper or later GPU"
   if reason is None and q_BSQZ.shape[2] != k_BSJZ.shape[2] and jax.__version_info__ < (0, 11, 1):

@@ -123,7 +123,7 @@ def attend_heads(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime, mesh, segment_ids_BS=No
   platform = mesh.devices.flat[0].platform  # of the devices it will run on: compile-only ones too
   with jax.named_scope("attention"):
     if splits_sequences(runtime, mesh):
-      kernels = tile_kernels(runtime.attention_implementation, platform, q_BSQZ.dtype)
+      kernels = tile_kernels(runtime.attention_implementation, platform, q_BSQZ.dtype, q_BSQZ.shape[-1])
       return context_attention(q_BSQZ, k_BSJZ, v_BSJZ, mesh=mesh, scale=scale, kernels=kernels,
                                segment_ids_BS=segment_ids_BS)
     return attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime.attention_implementation, platform, segment_ids_BS,
