@@ -17,7 +17,8 @@ its own VJP:
   gradients of Kd, W and d contract over V, so XLA forms them from the stored S_n, dS_n', V_new and dV_new.
 
 Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
-and the decays are float32 inside. Elsewhere than on a GPU the kernels run in Pallas' interpreter (the tests' path).
+and the decays are float32 inside. In a program lowered for anything but CUDA the kernels run in Pallas' interpreter
+(the tests' path).
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -54,9 +55,15 @@ def operand_einsum(spec, a, b, dtype):
   some bfloat16 dots with a float32 result ("Unsupported element type for DotThunk"): there the rounded operands
   are multiplied as float32, the same products and sums."""
   a, b = a.astype(dtype), b.astype(dtype)
-  if jax.default_backend() == "cpu":
-    a, b, dtype = a.astype(jnp.float32), b.astype(jnp.float32), jnp.float32
-  return jnp.einsum(spec, a, b, precision=_precision(dtype), preferred_element_type=jnp.float32)
+  on = lambda dtype: lambda a, b: jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=_precision(dtype),
+                                             preferred_element_type=jnp.float32)
+  return lax.platform_dependent(a, b, cpu=on(jnp.float32), default=on(dtype))
+
+
+def _per_platform(call, *args):
+  """`call(*args, interpret)`: the kernels compiled by Triton where the program is lowered for CUDA (whatever machine
+  lowers it: compile-only planning too), in Pallas' interpreter elsewhere."""
+  return lax.platform_dependent(*args, cuda=lambda *a: call(*a, False), default=lambda *a: call(*a, True))
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_warps=4):
@@ -241,14 +248,14 @@ def _scaled(x_BNCGK, scale_BNCGR, dtype):
   return (x_BNCGK[:, :, :, :, None] * scale_BNCGR[..., None]).astype(dtype)
 
 
-def _wy(x, masks, decay_BNGRCC, dtype, interpret):
+def _wy(x, masks, decay_BNGRCC, dtype):
   """(U, W) [B, N, C, G, R, ·] in `dtype`: (I + A)⁻¹ times βV and times the decayed K, the inverse a kernel."""
   mm = functools.partial(operand_einsum, dtype=dtype)
   kk_BNG1CC = mm("bncgk,bnsgk->bngcs", x.k_BNCGK, x.k_BNCGK)[:, :, :, None]
   a_BNGRCC = kk_BNG1CC * jnp.moveaxis(x.beta_BNCGR, 2, -1)[..., None] * decay_BNGRCC
   chunk_size = a_BNGRCC.shape[-1]
-  t_BNGRCC = (unit_lower_inverse(a_BNGRCC, dtype, interpret) if chunk_size % BLOCK == 0
-              else gdc.unit_lower_inverse(a_BNGRCC))
+  t_BNGRCC = (_per_platform(lambda a, interpret: unit_lower_inverse(a, dtype, interpret), a_BNGRCC)
+              if chunk_size % BLOCK == 0 else gdc.unit_lower_inverse(a_BNGRCC))
   xw_BNCGRK = _scaled(x.k_BNCGK, x.beta_BNCGR * _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
   return (mm("bngrcs,bnsgrv->bncgrv", t_BNGRCC, x.v_BNCGRV * x.beta_BNCGR[..., None]).astype(dtype),
           mm("bngrcs,bnsgrk->bncgrk", t_BNGRCC, xw_BNCGRK).astype(dtype))
@@ -259,19 +266,19 @@ def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_
   kernels, the rest XLA's batched matmuls over (row, chunk, head), q and k at their key heads; operands bfloat16
   unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
   dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
-  interpret = jax.default_backend() != "gpu"
   x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
   masks = gdc.chunk_masks(seg_BS, chunk_size)
   b, n, c, hk, r, dv = x.v_BNCGRV.shape
   decay_BNGRCC = gdc.decays(jnp.moveaxis(x.gamma_BNCGR, 2, -1), masks.sees_BNCC[:, :, None, None])
-  u_BNCGRV, w_BNCGRK = _wy(x, masks, decay_BNGRCC, dtype, interpret)
+  u_BNCGRV, w_BNCGRK = _wy(x, masks, decay_BNGRCC, dtype)
   gamma_end_BNGR = x.gamma_BNCGR[:, :, -1]
   kd_BNCGRK = _scaled(x.k_BNCGK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BNGR[:, :, None]
                                                                            - x.gamma_BNCGR), dtype)
   decay_BHN = jnp.moveaxis((masks.keeps_BN[..., None, None] * jnp.exp(gamma_end_BNGR)).reshape(b, n, -1), 1, 2)
   heads = lambda x_BNCGR_: x_BNCGR_.reshape(b, n, c, hk * r, -1)
-  states_BNHKV, vnew_BNCHV, state_BHKV = state_pass(heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), decay_BHN,
-                                                    state_BHKV, dtype, interpret)
+  states_BNHKV, vnew_BNCHV, state_BHKV = _per_platform(
+      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), decay_BHN,
+      state_BHKV)
 
   mm = functools.partial(operand_einsum, dtype=dtype)
   qd_BNCGRK = _scaled(x.q_BNCGK, _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
