@@ -4,6 +4,7 @@ formulation and fla's Triton kernels, forward and forward + backward, in one run
     python -m benchmarks.gated_deltanet [--shapes 16x4096,1x65536,1x262144] [--variants pallas,xla,maxtext,fla]
                                         [--key-heads 16] [--value-heads 32] [--head-dim 128] [--iters 5]
                                         [--out benchmarks/results/gated_deltanet.json] [--profile DIR]
+                                        [--compile-only --target-config benchmarks/gpu_specs/h200.txtpb]
 
 Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-normalised in the rule) and v
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
@@ -19,6 +20,9 @@ Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-no
            backward where fla allows it on this Triton (it refuses Triton 3.4–3.7.0 on Hopper).
 With `--profile DIR`, each JAX variant's forward and forward + backward are also traced under DIR and its row
 gets their ten longest kernels per call (`benchmarks.trace_summary`): where the time goes.
+With `--compile-only`, the JAX variants are compiled for one GPU and not run (on a machine without one, JAX's
+deviceless compilation for `--target-config`'s GPU, with the CUDA plugin: Triton compiles the kernels too), and the
+rows give each pass's compiled temporaries (`fwd_temp_gib`, `fwd_bwd_temp_gib`) instead of times.
 A variant that cannot run here (fla not installed, no GPU for the kernels compiled, out of memory) is a row saying
 why. Prints a table and writes JSON; the last line is the summary of the first shape.
 """
@@ -37,6 +41,7 @@ from benchmarks import harness
 from benchmarks.cp_attention import seconds
 from benchmarks.trace_summary import find_trace, kernel_times
 from models.attention.gated_delta import gated_delta_rule
+from train.plan.search import topology_devices
 
 VARIANTS = ("pallas", "xla", "xla_bf16chunks", "maxtext", "fla")
 
@@ -160,7 +165,25 @@ def measure_fla(args, iters):
   return row
 
 
-def measure(variant, shape, heads, iters, profile_dir=None):
+def compiled_temporaries(variant, shape, heads, device):
+  """GiB of temporaries of the forward and of forward + backward, compiled for `device` (compile-only)."""
+  batch, tokens = shape
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.eval_shape(
+      functools.partial(inputs, batch, tokens, *heads))]
+  row = dict(fwd_ms=None, fwd_bwd_ms=None)
+  for name, f in zip(("fwd", "fwd_bwd"), jax_steps(variant)):
+    row[f"{name}_temp_gib"] = round(f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
+  row["note"] = f"compile-only: temporaries {row['fwd_temp_gib']} GiB fwd, {row['fwd_bwd_temp_gib']} fwd+bwd"
+  return row
+
+
+def measure(variant, shape, heads, iters, profile_dir=None, device=None):
+  """A row: times on this machine's device, or with `device` (a compile-only one) compiled temporaries."""
+  if device is not None:
+    if variant == "fla":
+      return dict(fwd_ms=None, fwd_bwd_ms=None, note="compile-only: fla is not JAX")
+    return compiled_temporaries(variant, shape, heads, device)
   batch, tokens = shape
   args = inputs(batch, tokens, *heads)
   gpu = jax.default_backend() == "gpu"
@@ -192,6 +215,10 @@ def summary(rows):
   shape = rows[0]["shape"]
   value = lambda variant, key: next((f"{r[key]:.2f}" for r in rows if r["shape"] == shape and r["variant"] ==
                                      variant and r.get(key) is not None), "-")
+  if any("fwd_bwd_temp_gib" in r for r in rows):  # --compile-only
+    return f"summary: gated_deltanet_compile_only {shape} " + " ".join(
+        f"{variant}_fwd_bwd_temp_gib={value(variant, 'fwd_bwd_temp_gib')}"
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "fla"))
   ours = "pallas" if any(r["variant"] == "pallas" and r["fwd_ms"] for r in rows) else "xla"
   return (f"summary: gated_deltanet {shape} variant={ours} fwd_ms={value(ours, 'fwd_ms')} "
           f"fwd_bwd_ms={value(ours, 'fwd_bwd_ms')} xla_fwd_bwd_ms={value('xla', 'fwd_bwd_ms')} "
@@ -208,6 +235,10 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--out", default=os.path.join(harness.RESULTS, "gated_deltanet.json"))
   parser.add_argument("--profile", metavar="DIR", help="also trace each JAX variant under DIR: its longest kernels")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="compile for one GPU without running: each pass's temporaries (needs the CUDA plugin)")
+  parser.add_argument("--target-config", help="with --compile-only: the GPU (a GpuTargetConfigProto text file; "
+                                              "default: this machine's)")
   args = parser.parse_args(argv)
   unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
   if unknown:
@@ -215,11 +246,15 @@ def main(argv=None):
   heads = (args.key_heads, args.value_heads, args.head_dim)
   meta = dict(harness.machine(jax), command=harness.command_line("gated_deltanet", argv),
               key_heads=args.key_heads, value_heads=args.value_heads, head_dim=args.head_dim)
+  device = None
+  if args.compile_only:
+    device = topology_devices("1x1x1", args.target_config)[0]
+    meta["compiled_for"] = device.device_kind
   rows = []
   for shape in args.shapes.split(","):
     batch, tokens = map(int, shape.split("x"))
     for variant in args.variants.split(","):
-      row = measure(variant, (batch, tokens), heads, args.iters, args.profile)
+      row = measure(variant, (batch, tokens), heads, args.iters, args.profile, device)
       rows.append(dict(shape=shape, variant=variant, **row))
       print(rows[-1], flush=True)
       write(meta, rows, args.out)  # after each row: a run cut short keeps what it measured
