@@ -40,7 +40,7 @@ def weights(seq_len, seed=1):
 def three_documents(seq_len=130):
   """Row 0: boundaries at 40 (inside a chunk) and 64 (a chunk edge); row 1: at 10 and 100."""
   pos = np.arange(seq_len)
-  return np.stack([(pos >= 40) + (pos >= 64), 3 + (pos >= 10) + (pos >= 100)]).astype(np.int32)
+  return np.stack([(pos >= 40).astype(np.int32) + (pos >= 64), 3 + (pos >= 10) + (pos >= 100)]).astype(np.int32)
 
 def max_err(a, b):
   return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
@@ -135,6 +135,24 @@ def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   assert relative(o, o_ref) < 3e-2 and relative(s, s_ref) < 3e-2
   for name in x:
     assert relative(dx[name], dx_ref[name]) < 3e-2, name
+
+@pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
+def test_a_row_in_spans_is_the_whole_row(state_kernel):
+  """A row longer than `span_tokens` runs as a scan over spans, the state carried: outputs, final state and every
+  gradient as the whole row at once (float32, 1e-5 of the largest), with an initial state and documents, one of them
+  starting exactly at a span's edge (row 0 at 64), and a last span of 2 positions padded. Mutants killed: the state
+  not zeroed where a span begins a new document; padding with the first document instead of the last."""
+  x = make_inputs(130, a_max=1.0)
+  seg = three_documents()
+  w_o, w_s = weights(130)
+  rule = functools.partial(gated_delta_rule, state_kernel=state_kernel)
+  o, s, dx = run_and_grads(functools.partial(rule, span_tokens=64), x, w_o, w_s, seg)
+  o_ref, s_ref, dx_ref = run_and_grads(functools.partial(rule, span_tokens=None), x, w_o, w_s, seg)
+  relative = lambda a, r: max_err(a, r) / np.abs(np.asarray(r, np.float32)).max()
+  assert relative(o, o_ref) < 1e-5 and relative(s, s_ref) < 1e-5
+  for name in x:
+    assert relative(dx[name], dx_ref[name]) < 1e-5, name
+
 
 def test_the_kernels_lower_to_triton_for_a_gpu():
   """Pallas' Triton lowering of the kernel path's three kernels, forward and backward, bfloat16 at the 35B model's
@@ -269,7 +287,7 @@ def test_context_parallel_state_passing(documents):
   w_o, w_s = weights(seq_len)
   pos = np.arange(seq_len)
   # Shards [0, 50), [50, 100), ...: a boundary inside shard 1, and ones at the edges of shards 2, 3.
-  seg = np.stack([(pos >= 70) + (pos >= 150), (pos >= 100) + 0 * pos]).astype(np.int32)
+  seg = np.stack([(pos >= 70).astype(np.int32) + (pos >= 150), (pos >= 100) + 0 * pos]).astype(np.int32)
   seg = seg if documents else np.zeros_like(seg)
   o, s, dx = run_and_grads(gated_delta_rule, x, w_o, w_s, seg)
   o_cp, s_cp, dx_cp = context_parallel(x, w_o, w_s, 4, 16, seg)

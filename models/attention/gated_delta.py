@@ -132,8 +132,38 @@ def _initial_state(initial_state, v_BSHV, key_dim):
   return zeros_BHKV() if initial_state is None else initial_state
 
 
+# A row's positions per pass of the chunked form. Its temporaries grow with the positions it holds (compiled for an
+# H200, forward + backward of Qwen3.5's heads: 11.6 GiB at 65536 tokens on the kernel path, 41.2 at 262144, 19.8
+# and 79.0 on the XLA form; benchmarks/results/gated_deltanet_compile_only.txt): a longer row runs as a scan over
+# spans of this many, the state carried, and its backward recomputes one span at a time. Compute is the same.
+SPAN_TOKENS = 32768
+
+
+def _spans(rule, q, k, v, g, beta, seg_BS, state_BHKV, span):
+  """`rule(q, k, v, g, beta, seg_BS, state_BHKV)` over each row's spans of `span` positions in turn, the state
+  carried across and zeroed where a span begins a new document (a row's initial state reaches its first one)."""
+  b, s = v.shape[:2]
+  p = -(-s // span)
+  pad = lambda x, mode="constant": jnp.pad(x, [(0, 0), (0, p * span - s)] + [(0, 0)] * (x.ndim - 2), mode=mode)
+  to_PB = lambda x: jnp.moveaxis(x.reshape(b, p, span, *x.shape[2:]), 1, 0)
+  # Padding joins the last document with g = β = 0: it leaves the final state as it is.
+  seg_PBS = to_PB(pad(seg_BS, "edge"))
+  before_PB = jnp.concatenate([seg_PBS[:1, :, 0], seg_PBS[:-1, :, -1]])
+  keeps_PB = (seg_PBS[:, :, 0] == before_PB).astype(jnp.float32)
+
+  def step(state_BHKV, x):
+    q, k, v, g, beta, seg_BS, keep_B = x
+    o_BSHV, state_BHKV = rule(q, k, v, g, beta, seg_BS, state_BHKV * keep_B[:, None, None, None])
+    return state_BHKV, o_BSHV
+
+  xs = (*(to_PB(pad(x)) for x in (q, k, v, g, beta)), seg_PBS, keeps_PB)
+  state_BHKV, o_PBSHV = lax.scan(step, state_BHKV, xs)
+  return jnp.moveaxis(o_PBSHV, 0, 1).reshape(b, p * span, *v.shape[2:])[:, :s], state_BHKV
+
+
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
-                     l2_normalize=True, output_final_state=False, state_kernel="xla", chunk_dtype=None):
+                     l2_normalize=True, output_final_state=False, state_kernel="xla", chunk_dtype=None,
+                     span_tokens=SPAN_TOKENS):
   """Gated delta rule, chunked form, with a memory-lean custom VJP.
 
   Args:
@@ -155,6 +185,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     chunk_dtype: the XLA form's matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
       decayed K): None in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in
       float32. The Pallas path ignores it.
+    span_tokens: a row longer than this runs as a scan over spans of it (rounded to whole chunks), the state
+      carried: the temporaries of one span, not of the row (None: the whole row at once).
 
   Returns:
     (o [B, S, Hv, V] in v's dtype, final state [B, Hv, K, V] float32 or None).
@@ -163,8 +195,13 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
   seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
-  o_BSHV, state_BHKV = _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel,
-                                chunk_dtype)
+  rule = lambda q, k, v, g, beta, seg_BS, state_BHKV: _chunked(
+      q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
+  span = None if span_tokens is None else max(chunk_size, span_tokens // chunk_size * chunk_size)
+  if span is not None and v.shape[1] > span:
+    o_BSHV, state_BHKV = _spans(rule, q, k, v, g, beta, seg_BS, state_BHKV, span)
+  else:
+    o_BSHV, state_BHKV = rule(q, k, v, g, beta, seg_BS, state_BHKV)
   return o_BSHV, (state_BHKV if output_final_state else None)
 
 
