@@ -229,34 +229,30 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_st
   return o_BSHV, (state_BHKV if output_final_state else None)
 
 
-def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_normalize=True):
+def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_normalize=True, state_kernel="xla",
+                     span_tokens=SPAN_TOKENS):
   """Affine map of a whole sequence (shard) on the state: final = M @ initial + b.
 
+  The rule's own final state from the initial state [I | 0] with values [0 | v] is [M | b] (the state's first K
+  columns carry M, the rest b): one pass of `gated_delta_rule`, its spans and memory-lean VJP included.
+
   Args:
-    q, k, v, g, beta, segment_ids, chunk_size, l2_normalize: as in `gated_delta_rule`.
+    q, k, v, g, beta, segment_ids, chunk_size, l2_normalize, state_kernel, span_tokens: as in `gated_delta_rule`.
 
   Returns:
     (M [B, Hv, K, K], b [B, Hv, K, V]), float32. M is zero if the sequence has a document
     boundary, since the initial state then cannot reach the final state.
   """
-  seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
-  chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize)
-  eye_KK = jnp.eye(k.shape[-1], dtype=jnp.float32)
-  m_BNHKK = (chunks.decay_BNH[..., None, None] * eye_KK
-             - gdc.einsum("bnhck,bnhcj->bnhkj", chunks.kd_BNHCK, chunks.w_BNHCK))
-  b_BNHKV = gdc.einsum("bnhck,bnhcv->bnhkv", chunks.kd_BNHCK, chunks.u_BNHCV)
-
-  def step(carry, x):
-    m_BHKK, b_BHKV = carry
-    mn_BHKK, bn_BHKV = x
-    return (gdc.einsum("bhij,bhjk->bhik", mn_BHKK, m_BHKK),
-            gdc.einsum("bhij,bhjv->bhiv", mn_BHKK, b_BHKV) + bn_BHKV), None
-
-  # zeros_like: under shard_map the carries vary over the mesh axes as the inputs do.
-  init = (eye_KK + jnp.zeros_like(m_BNHKK[:, 0]), jnp.zeros_like(b_BNHKV[:, 0]))
-  (m_BHKK, b_BHKV), _ = lax.scan(
-      step, init, (jnp.moveaxis(m_BNHKK, 1, 0), jnp.moveaxis(b_BNHKV, 1, 0)))
-  return m_BHKK, b_BHKV
+  key_dim = k.shape[-1]
+  zeros_BSHK = jnp.zeros(v.shape[:3] + (key_dim,), v.dtype)
+  v_BSHW = jnp.concatenate([zeros_BSHK, v], axis=-1)  # W = K + V columns
+  # zeros_like: under shard_map the state varies over the mesh axes as the inputs do.
+  first_BHKW = jnp.eye(key_dim, v_BSHW.shape[-1], dtype=jnp.float32) + jnp.zeros_like(
+      v_BSHW[:, 0, :, None, :], jnp.float32)
+  _, final_BHKW = gated_delta_rule(q, k, v_BSHW, g, beta, segment_ids=segment_ids, initial_state=first_BHKW,
+                                   chunk_size=chunk_size, l2_normalize=l2_normalize, output_final_state=True,
+                                   state_kernel=state_kernel, span_tokens=span_tokens)
+  return final_BHKW[..., :key_dim], final_BHKW[..., key_dim:]
 
 
 def combine_transitions(ms, bs, *, initial_state=None, resets=None):
