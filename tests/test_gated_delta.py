@@ -136,7 +136,7 @@ def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   for name in x:
     assert relative(dx[name], dx_ref[name]) < 3e-2, name
 
-@pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("state_kernel", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_a_row_in_spans_is_the_whole_row(state_kernel):
   """A row longer than `span_tokens` runs as a scan over spans, the state carried: outputs, final state and every
   gradient as the whole row at once (float32, 1e-5 of the largest), with an initial state and documents, one of them
