@@ -31,6 +31,7 @@ from jax import lax
 from models.attention import gated_delta_chunks as gdc
 from models.attention.gated_delta_kernels import kernel_chunked_forward, operand_einsum
 
+
 def _chunk_einsum(spec, a, b, dtype):
   """A state-independent matmul of the chunked form: float32 at full precision (dtype None), or `dtype` operands
   with float32 accumulation (fla's choice for bfloat16 models)."""
