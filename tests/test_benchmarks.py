@@ -466,3 +466,14 @@ def test_gated_deltanet_writes_its_table_and_summary(tmp_path):
   assert [r.get("note") for r in rows[1:]] == ["needs a GPU", "needs a GPU"]
   last = (tmp_path / "gdn.txt").read_text().splitlines()[-1]
   assert last.startswith("summary: gated_deltanet 1x128 variant=xla fwd_ms=") and "fla_fwd_ms=-" in last
+
+
+def test_gated_deltanet_compile_only_rows_give_compiled_temporaries():
+  """`--compile-only`'s rows, here compiled for this CPU device (a GPU target needs the CUDA plugin): each pass's
+  temporaries instead of times, fla said not to be JAX, and a summary of the temporaries."""
+  device = jax.devices("cpu")[0]
+  rows = [dict(shape="1x128", variant=v, **gated_deltanet.measure(v, (1, 128), (1, 2, 16), 1, device=device))
+          for v in ("xla", "fla")]
+  assert rows[0]["fwd_ms"] is None and rows[0]["fwd_bwd_temp_gib"] >= rows[0]["fwd_temp_gib"] >= 0
+  assert rows[1]["note"] == "compile-only: fla is not JAX"
+  assert gated_deltanet.summary(rows).startswith("summary: gated_deltanet_compile_only 1x128 xla_fwd_bwd_temp_gib=")
