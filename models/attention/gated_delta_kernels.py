@@ -195,16 +195,16 @@ def state_pass(kd, w, u, decay, state, dtype, interpret):
 
 def _state_pass_fwd(kd, w, u, decay, state, dtype, interpret):
   states, vnew, final = state_pass(kd, w, u, decay, state, dtype, interpret)
-  return (states, vnew, final), (kd, w, u, decay, state, states, vnew)
+  return (states, vnew, final), (kd, w, decay, states, vnew)
 
 
 def _state_pass_bwd(dtype, interpret, residuals, cotangents):
-  kd, w, u, decay, state, states, vnew = residuals
+  kd, w, decay, states, vnew = residuals
   dstates, dvnew_in, dfinal = cotangents
   n = kd.shape[1]
-  grid, spec = _grid_and_specs(kd, u)
+  grid, spec = _grid_and_specs(kd, vnew)
   out_shape = [jax.ShapeDtypeStruct(states.shape, dtype), jax.ShapeDtypeStruct(vnew.shape, dtype),
-               jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+               jax.ShapeDtypeStruct(dfinal.shape, jnp.float32)]
   kernel = functools.partial(_state_backward_kernel, num_chunks=n, dtype=dtype)
   dcarry, dvnew, dstate = _call(
       kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["decay"], spec["states"], spec["chunk_v"],
@@ -214,7 +214,7 @@ def _state_pass_bwd(dtype, interpret, residuals, cotangents):
   dkd = mm("bnchv,bnhkv->bnchk", vnew, dcarry)
   dw = -mm("bnchv,bnhkv->bnchk", dvnew, states)
   ddecay = jnp.moveaxis(jnp.sum(states.astype(jnp.float32) * dcarry.astype(jnp.float32), axis=(-2, -1)), 1, 2)
-  return dkd.astype(kd.dtype), dw.astype(w.dtype), dvnew.astype(u.dtype), ddecay, dstate
+  return dkd.astype(kd.dtype), dw.astype(w.dtype), dvnew, ddecay, dstate
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
