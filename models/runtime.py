@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import relaymoe_jax as rm
 from models.attention.cudnn_documents import DOCUMENTS_PER_ROW
+from models.attention.gated_delta import SPAN_TOKENS
 from relaymoe_jax.errors import UserError
 
 # What a layer's backward recomputes, from the most memory to the least:
@@ -48,6 +49,11 @@ class RuntimeConfig:
   # Split each sequence over 'expert' (batch rows over 'data' only) in load-balanced causal order; attention
   # gathers K and V across the shards (`models.attention.context_parallel`). seq_len must divide by 2 × expert.
   context_parallel: bool = False
+  # Positions of a row (under context parallelism, of a chunk) a Gated DeltaNet layer works on at once: a longer one
+  # runs its projections, conv, delta rule and output norm as scans over spans of about this many, each span's
+  # temporaries live in turn, not the row's (backward recomputes a span at a time: more compute, far less memory;
+  # `models.qwen35.deltanet`). 0: whole rows.
+  sequence_span_tokens: int = SPAN_TOKENS
   # Run each stretch of consecutive layers of one kind as one `lax.scan` over parameters stacked on a leading
   # axis: one layer is traced and compiled whatever the depth (a ring layer takes about a minute to compile on a
   # GPU). False: a Python loop over layers, each compiled on its own, which lets XLA overlap across layers.
@@ -72,6 +78,8 @@ class RuntimeConfig:
       raise UserError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
     if not (isinstance(self.documents_per_row, int) and self.documents_per_row >= 2):
       raise UserError(f"documents_per_row={self.documents_per_row!r} must be an integer ≥ 2 (cuDNN's packed layout)")
+    if not (isinstance(self.sequence_span_tokens, int) and self.sequence_span_tokens >= 0):
+      raise UserError(f"sequence_span_tokens={self.sequence_span_tokens!r} must be an integer ≥ 0 (0: whole rows)")
     if self.dtype not in FLOAT_DTYPES:
       raise UserError(f"dtype={self.dtype!r} (the compute dtype) must be one of {list(FLOAT_DTYPES)}")
 

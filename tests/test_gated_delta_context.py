@@ -35,12 +35,14 @@ def _eight_devices():
 
 
 @functools.cache
-def _models():
-  """(without, with context parallelism): the same parameters, only the runtime differs."""
+def _models(span_tokens=0):
+  """(without, with context parallelism): the same parameters, only the runtime differs; the second's DeltaNet
+  layers in spans of `span_tokens` (0: whole chunks)."""
   config, mesh = families.load_config("qwen3.5-tiny"), trainer_mesh()
   runtime = dict(dtype="float32", dispatcher="dense")
-  plain = families.create_sharded(config, mesh, runtime=RuntimeConfig(**runtime))
-  split = families.create_sharded(config, mesh, seed=1, runtime=RuntimeConfig(**runtime, context_parallel=True))
+  plain = families.create_sharded(config, mesh, runtime=RuntimeConfig(**runtime, sequence_span_tokens=0))
+  split = families.create_sharded(config, mesh, seed=1, runtime=RuntimeConfig(
+      **runtime, context_parallel=True, sequence_span_tokens=span_tokens))
   nnx.update(split, nnx.state(plain, nnx.Param))
   return plain, split
 
@@ -77,12 +79,20 @@ def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
   assert_close(np.asarray(_logits(split, tokens, segment_ids)), expected, RTOL, "logits")
 
 
-@pytest.mark.parametrize("segment_ids", ONE_DOCUMENT_SLOW, ids=["one-document", "documents"])
-def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids):
+# Spans of 3 cut each chunk of 8 into 3, 3 and 2 (+1 padding): row 0's documents start inside a span (13, 17) and
+# at one's first position (30), so the conv's carried history crosses spans, chunks and documents.
+SPANS = 3
+
+
+@pytest.mark.parametrize("segment_ids,span_tokens", [pytest.param(None, 0, marks=pytest.mark.slow), (SEGMENTS, 0),
+                                                     (SEGMENTS, SPANS)],
+                         ids=["one-document", "documents", "documents-spans"])
+def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids, span_tokens):
   """Every parameter's gradient within RTOL of the largest gradient (0.02): the decay's parameters in the first layer
-  have gradients of 5e-7, sums of cancelling terms, and the two chunkings round them differently by 5e-9."""
+  have gradients of 5e-7, sums of cancelling terms, and the two chunkings round them differently by 5e-9. In spans
+  too (`models.qwen35.deltanet`: each chunk's projections, conv and output norm as a scan over spans)."""
   tokens, labels = _inputs()
-  plain, split = _models()
+  plain, split = _models(span_tokens)
   loss, grads = _loss_and_grads(plain, tokens, labels, segment_ids)
   split_loss, split_grads = _loss_and_grads(split, tokens, labels, segment_ids)
   np.testing.assert_allclose(float(split_loss), float(loss), rtol=RTOL)

@@ -20,7 +20,7 @@ import relaymoe_jax.testing as rmt
 from models import families
 from models.config import read_hf_config
 from models.hf import transfer as hf
-from models.qwen35 import model as qwen35_model
+from models.qwen35 import deltanet as qwen35_deltanet
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
@@ -103,10 +103,16 @@ def _random_tokens(length):
 def test_the_pallas_delta_kernels_give_transformers_logits(monkeypatch):
   """The DeltaNet's loop over chunks as Pallas kernels (what GPUs run; Pallas' interpreter here) on each device's
   rows (`on_row_shards`: XLA cannot partition a Pallas call)."""
-  monkeypatch.setattr(qwen35_model, "delta_state_kernel", lambda runtime, platform: "pallas")
+  monkeypatch.setattr(qwen35_deltanet, "delta_state_kernel", lambda runtime, platform: "pallas")
   tokens, expected = _reference(100)
   logits = nnx.jit(lambda model, tokens: model(tokens))(_loaded(), tokens)  # traced afresh, with the kernels
   assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
+
+
+def test_deltanet_in_spans_gives_transformers_logits():
+  """Rows of 100 in spans of 20 (`runtime.sequence_span_tokens`): the conv's history carried across spans."""
+  tokens, expected = _reference(100)
+  assert np.abs(np.asarray(_logits(_loaded(sequence_span_tokens=24), tokens)) - expected).max() <= LOGITS_ATOL
 
 
 def test_unscanned_layers_give_transformers_logits():

@@ -3,9 +3,9 @@
 Layout: as `models.attention.context_parallel` (device i of the N on 'expert' holds sequence chunks i and 2N−1−i of
 C tokens each, "held order"; rows over 'data'). Two pieces, each one `jax.shard_map`:
 
-- `context_causal_conv`: the depthwise causal conv of window W needs the W − 1 tokens before each chunk. Every
+- `preceding_rows`: the depthwise causal conv of window W needs the W − 1 tokens before each chunk. Every
   device all-gathers the last W − 1 rows (and segment ids) of its two chunks over 'expert' (2N × (W − 1) rows of
-  the conv's channels, tiny) and prepends its chunks' predecessors in sequence order (zeros before chunk 0).
+  the layer's input, tiny) and picks its chunks' predecessors in sequence order (zeros before chunk 0).
 - `context_gated_delta_rule`: the delta rule's state is what crosses chunk boundaries. Each device computes the
   affine state map (M, b) of each of its chunks (`chunk_transition`) and all-gathers them over 'expert':
   2N × (K×K + K×V) float32 per head per row (4 MiB a chunk for 32 heads of 128 × 128: 32 MiB a row over 4
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from models.attention.context_parallel import check_sequence
-from models.attention.gated_delta import chunk_transition, combine_transitions, gated_delta_rule
+from models.attention.gated_delta import SPAN_TOKENS, chunk_transition, combine_transitions, gated_delta_rule
 from relaymoe_jax.axes import DATA, EXPERT
 from relaymoe_jax.errors import UserError
 
@@ -68,33 +68,21 @@ def _halo(x_2BC, halo, ring):
   return _own_chunks(before_PB, ring)
 
 
-def context_causal_conv(conv, x_BSC, w_CW, *, mesh, segment_ids_BS=None):
-  """`conv(x_BSC, w_CW, segment_ids_BS)` (a causal conv of window W = w_CW.shape[1], e.g.
-  `models.qwen35.model.causal_conv`) of sequences in held order, split over 'expert'.
+def preceding_rows(x_BSX, rows, *, mesh):
+  """The `rows` positions before each chunk of sequences in held order, split over 'expert' (a causal conv's
+  history, e.g. the `rows` = W − 1 a conv of window W reads before a chunk's first position): [B, 2N × rows, ...],
+  laid out as x, device i's early chunk's rows then its late chunk's; zeros before the sequence's first chunk.
 
-  Moves: all_gather over 'expert' of each chunk's last W − 1 rows of x (and of the segment ids); its transpose, a
-  reduce-scatter, in backward. The conv weight is replicated (its gradient is summed over the devices)."""
-  ring, halo = mesh.shape[EXPERT], w_CW.shape[1] - 1
-  check_sequence(x_BSC.shape[1], ring)
-  if x_BSC.shape[1] // (2 * ring) < halo:
-    raise UserError(f"context parallelism over {EXPERT}={ring}: chunks of {x_BSC.shape[1] // (2 * ring)} tokens are "
-                    f"shorter than the DeltaNet conv's {halo} tokens of history")
-
-  def local(x_BSC, w_CW, seg_BS):
-    x_2BC = _local_chunks(x_BSC)
-    wide_2BC = jnp.concatenate([_halo(x_2BC, halo, ring), x_2BC], axis=2)
-    seg_2BC = None
-    if seg_BS is not None:  # before chunk 0 the halo is zeros, whatever its segment ids say
-      seg_2BC = _local_chunks(seg_BS)
-      seg_2BC = jnp.concatenate([_halo(seg_2BC, halo, ring), seg_2BC], axis=2)
-      seg_2BC = seg_2BC.reshape(-1, seg_2BC.shape[-1])
-    out = conv(wide_2BC.reshape(-1, *wide_2BC.shape[2:]), w_CW, seg_2BC)
-    return _from_local_chunks(out.reshape(wide_2BC.shape)[:, :, halo:])
-
+  Moves: all_gather over 'expert' of each chunk's last `rows` positions; its transpose, a reduce-scatter, in
+  backward."""
+  ring = mesh.shape[EXPERT]
+  check_sequence(x_BSX.shape[1], ring)
+  if x_BSX.shape[1] // (2 * ring) < rows:
+    raise UserError(f"context parallelism over {EXPERT}={ring}: chunks of {x_BSX.shape[1] // (2 * ring)} tokens are "
+                    f"shorter than the DeltaNet conv's {rows} tokens of history")
+  local = lambda x_BSX: _from_local_chunks(_halo(_local_chunks(x_BSX), rows, ring))
   spec = P(DATA, EXPERT)
-  seg_spec = None if segment_ids_BS is None else spec
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), seg_spec), out_specs=spec,
-                       check_vma=True)(x_BSC, w_CW, segment_ids_BS)
+  return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)(x_BSX)
 
 
 def _initial_states(ms_2B, bs_2B, seg_2BC, ring):
@@ -120,7 +108,7 @@ def on_row_shards(rule, q, k, v, g, beta, *, mesh, axes, segment_ids=None):
 
 
 def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_size=64, l2_normalize=True,
-                             state_kernel="xla"):
+                             state_kernel="xla", span_tokens=SPAN_TOKENS):
   """`gated_delta_rule` (same arguments, no initial or final state) of sequences in held order, split over 'expert'.
 
   Moves: all_gather over 'expert' of every chunk's state map, 2N × (K×K + K×V) float32 per value head per row, and
@@ -131,7 +119,7 @@ def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_
   """
   ring = mesh.shape[EXPERT]
   check_sequence(v.shape[1], ring)
-  rule = dict(chunk_size=chunk_size, l2_normalize=l2_normalize)
+  rule = dict(chunk_size=chunk_size, l2_normalize=l2_normalize, state_kernel=state_kernel, span_tokens=span_tokens)
 
   def local(q, k, v, g, beta, seg_BS):
     chunked = [_local_chunks(x) for x in (q, k, v, g, beta)]
@@ -141,8 +129,7 @@ def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_
     ms, bs = chunk_transition(*map(rows, chunked), segment_ids=seg_rows, **rule)
     unrows = lambda x: x.reshape(2, -1, *x.shape[1:])
     states_2B = _initial_states(unrows(ms), unrows(bs), seg_2BC, ring)
-    o, _ = gated_delta_rule(*map(rows, chunked), segment_ids=seg_rows, initial_state=rows(states_2B),
-                            state_kernel=state_kernel, **rule)
+    o, _ = gated_delta_rule(*map(rows, chunked), segment_ids=seg_rows, initial_state=rows(states_2B), **rule)
     return _from_local_chunks(unrows(o))
 
   return _sharded(local, mesh, (q, k, v, g, beta), (segment_ids,), check_vma=state_kernel == "xla"), None

@@ -4,13 +4,9 @@ Decoder layer: h = x + Mixer(RMSNorm(x)); out = h + MoE(RMSNorm(h)), where Mixer
 (`linear_attention`) or gated attention (`full_attention`) and every MoE has a sigmoid-gated shared expert. All
 RMSNorms but the DeltaNet's output norm are zero-centred (scale 1 + w). Gated attention: q_proj gives per head a
 query and a gate, q and k are normed per head, RoPE turns the first `rotary_dim` dims, GQA causal attention (the
-kernels of `models.attention`), the output times sigmoid(gate). Gated DeltaNet: one projection to [q | k | v], a
-causal depthwise conv with SiLU, the gated delta rule (`models.attention.gated_delta`) with β = sigmoid(b) and
-log decay g = −exp(A_log) · softplus(a + dt_bias), then an RMSNorm gated by SiLU(z). Packed documents restart the
-conv window and the DeltaNet state at each document. The outer model (embedding, LM head, losses, sharding) is
-`models.qwen3.model.Qwen3MoE`'s; the layers are stacked as repeats of the layer-type pattern (3 DeltaNet + 1
-attention in the released model), one `lax.scan` over the repeats. Shape letters: see `relaymoe_jax`; in the
-DeltaNet, X is a key head's width and W the conv window.
+kernels of `models.attention`), the output times sigmoid(gate). Gated DeltaNet: `models.qwen35.deltanet`. The
+outer model (embedding, LM head, losses, sharding) is `models.qwen3.model.Qwen3MoE`'s; the layers are stacked as repeats of the layer-type pattern (3 DeltaNet + 1
+attention in the released model), one `lax.scan` over the repeats. Shape letters: see `relaymoe_jax`.
 """
 
 import functools
@@ -19,13 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention.context_parallel import splits_sequences
-from models.attention.gated_delta import gated_delta_rule
-from models.attention.gated_delta_context import context_causal_conv, context_gated_delta_rule, on_row_shards
 from models.qwen3 import model as qwen3
 from models.qwen35.config import FULL
+from models.qwen35.deltanet import GatedDeltaNet
 from models.runtime import RuntimeConfig
-from models.sharding import batch_axes, make_param
+from models.sharding import make_param
 
 
 def zero_centred_rms_norm(x, weight, eps):
@@ -33,13 +27,6 @@ def zero_centred_rms_norm(x, weight, eps):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def gated_rms_norm(x, gate, weight, eps):
-  """The DeltaNet's output norm: RMSNorm (scale `weight`, not zero-centred) times SiLU(gate) in float32."""
-  x32 = x.astype(jnp.float32)
-  y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-  return (weight.astype(x.dtype) * y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 class RMSNorm(qwen3.Layer):
@@ -91,91 +78,6 @@ def partial_rope(x_BSQZ, positions_BS, config):
   rotary = config.rotary_dim
   turned = qwen3.rope(x_BSQZ[..., :rotary], positions_BS, config.rope_theta)
   return jnp.concatenate([turned, x_BSQZ[..., rotary:]], axis=-1)
-
-
-class GatedDeltaNet(qwen3.Layer):
-  """Linear attention by the gated delta rule (`Qwen3_5MoeGatedDeltaNet`), documents restarting its state."""
-
-  def __init__(self, config, runtime, mesh, rngs):
-    super().__init__(config, runtime)
-    self.mesh = mesh
-    param = functools.partial(make_param, config, runtime, mesh, rngs)
-    c = config
-    d, heads = c.hidden_size, c.linear_num_value_heads
-    keys, values = c.linear_num_key_heads * c.linear_key_head_dim, heads * c.linear_value_head_dim
-    self.in_qkv_DC = param("delta_in_DC", (d, 2 * keys + values))
-    self.in_z_DC = param("delta_in_DC", (d, values))
-    self.in_b_DC, self.in_a_DC = param("delta_in_DC", (d, heads)), param("delta_in_DC", (d, heads))
-    self.conv_CW = param("delta_conv_CW", (2 * keys + values, c.linear_conv_kernel_dim))
-    self.a_log_Q = param("delta_head_Q", (heads,), "a_log")
-    self.dt_bias_Q = param("delta_head_Q", (heads,), "ones")
-    self.norm_X = param("head_norm", (c.linear_value_head_dim,), "ones")
-    self.out_CD = param("delta_out_CD", (values, d))
-
-  def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
-    del positions_BS  # the recurrence knows the order
-    c = self.config
-    b, s, _ = x_BSD.shape
-    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_value_head_dim)
-    with jax.named_scope("projection"):
-      qkv_BSC = x_BSD @ self.cast(self.in_qkv_DC)
-      z = (x_BSD @ self.cast(self.in_z_DC)).reshape(b, s, hv, dv)
-      beta = jax.nn.sigmoid((x_BSD @ self.cast(self.in_b_DC)).astype(jnp.float32))
-      a = (x_BSD @ self.cast(self.in_a_DC)).astype(jnp.float32)
-    split = splits_sequences(self.runtime, self.mesh)  # each device holds two chunks: state passing across them
-    conv = functools.partial(context_causal_conv, causal_conv, mesh=self.mesh) if split else causal_conv
-    rule = delta_rule(self.runtime, self.mesh)
-    with jax.named_scope("deltanet"):  # the step profile's part (`train.profile.step_parts`): conv, gates, rule
-      qkv_BSC = jax.nn.silu(conv(qkv_BSC, self.cast(self.conv_CW), segment_ids_BS=segment_ids_BS))
-      q, k, v = jnp.split(qkv_BSC, [hk * dk, 2 * hk * dk], axis=-1)
-      g = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias_Q[...].astype(jnp.float32))
-      o, _ = rule(q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), g, beta,
-                  segment_ids=segment_ids_BS)
-    with jax.named_scope("projection"):
-      o = gated_rms_norm(o, z, self.norm_X[...], c.rms_norm_eps)
-      return o.reshape(b, s, hv * dv) @ self.cast(self.out_CD)
-
-
-# The kernel path on GPUs. Off until a GPU has run it: rewritten (the inverses as kernels, the output out of the
-# sequential kernel) in a session that got no GPU, it is checked in Pallas' interpreter and lowered to Triton on CPU
-# only; the kernels it replaced passed `pytest -m gpu` at 0.6 of the XLA form's time (git history). On once
-# `pytest -m gpu` passes with it and `benchmarks.gated_deltanet` has measured it.
-KERNELS_ON_GPU = False
-
-
-def delta_state_kernel(runtime, platform):
-  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (once `KERNELS_ON_GPU`; not with
-  runtime.attention_implementation=xla), XLA's scan elsewhere."""
-  on = KERNELS_ON_GPU and platform == "gpu" and runtime.attention_implementation != "xla"
-  return "pallas" if on else "xla"
-
-
-def delta_rule(runtime, mesh):
-  """The gated delta rule as `runtime` runs it on `mesh`: split over sequences (context parallelism: state passing),
-  or the Pallas kernels on each device's rows (XLA cannot partition them), or XLA's form on the whole batch."""
-  kernel = delta_state_kernel(runtime, mesh.devices.flat[0].platform)
-  if splits_sequences(runtime, mesh):
-    return functools.partial(context_gated_delta_rule, mesh=mesh, state_kernel=kernel)
-  if kernel == "xla":
-    return gated_delta_rule
-  return functools.partial(on_row_shards, functools.partial(gated_delta_rule, state_kernel=kernel), mesh=mesh,
-                           axes=batch_axes(runtime))
-
-
-def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
-  """Depthwise causal conv over S (Hugging Face's conv1d with W − 1 zeros of left padding): out[t] = Σ_j w[:, j] ·
-  x[t − (W − 1) + j], inputs from another document (`segment_ids_BS`) or before the row read as zeros."""
-  width = w_CW.shape[1]
-  out = jnp.zeros(x_BSC.shape, jnp.float32)
-  for j in range(width):
-    shift = width - 1 - j
-    shifted = jnp.pad(x_BSC, [(0, 0), (shift, 0), (0, 0)])[:, :x_BSC.shape[1]]
-    if segment_ids_BS is not None and shift:
-      same = segment_ids_BS == jnp.pad(segment_ids_BS, [(0, 0), (shift, 0)], constant_values=-1)[:, :-shift]
-      shifted = jnp.where(same[..., None], shifted, 0)
-    out = out + shifted.astype(jnp.float32) * w_CW[:, j].astype(jnp.float32)
-  return out.astype(x_BSC.dtype)
 
 
 class DecoderLayer(qwen3.DecoderLayer):
