@@ -245,8 +245,7 @@ def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_no
     boundary, since the initial state then cannot reach the final state.
   """
   key_dim = k.shape[-1]
-  zeros_BSHK = jnp.zeros(v.shape[:3] + (key_dim,), v.dtype)
-  v_BSHW = jnp.concatenate([zeros_BSHK, v], axis=-1)  # W = K + V columns
+  v_BSHW = widened_values(v, key_dim)
   # zeros_like: under shard_map the state varies over the mesh axes as the inputs do.
   first_BHKW = jnp.eye(key_dim, v_BSHW.shape[-1], dtype=jnp.float32) + jnp.zeros_like(
       v_BSHW[:, 0, :, None, :], jnp.float32)
@@ -254,6 +253,12 @@ def chunk_transition(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, l2_no
                                    chunk_size=chunk_size, l2_normalize=l2_normalize, output_final_state=True,
                                    state_kernel=state_kernel, span_tokens=span_tokens)
   return final_BHKW[..., :key_dim], final_BHKW[..., key_dim:]
+
+
+def widened_values(v, key_dim):
+  """Values [0 | v] (K + V columns, any leading dims): from the state [M | b] of what came before, the rule's final
+  state is [M | b] of it all; from [I | 0], the affine map of one pass (`chunk_transition`)."""
+  return jnp.concatenate([jnp.zeros(v.shape[:-1] + (key_dim,), v.dtype), v], axis=-1)
 
 
 def combine_transitions(ms, bs, *, initial_state=None, resets=None):

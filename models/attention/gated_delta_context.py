@@ -107,6 +107,23 @@ def on_row_shards(rule, q, k, v, g, beta, *, mesh, axes, segment_ids=None):
       q, k, v, g, beta, segment_ids), None
 
 
+def entering_states(finals_BNHKW, *, mesh, segment_ids_BS=None):
+  """The state entering each chunk of sequences in held order, split over 'expert', from each chunk's own state map:
+  [B, 2N, H, K, V] (row b's chunks in held order, laid out over 'data' and 'expert'), from [M | b] of each chunk
+  (`finals_BNHKW`, laid out so: the rule's final state from [I | 0] with values [0 | v], W = K + V columns). Moves as
+  `context_gated_delta_rule`'s."""
+  ring, key_dim = mesh.shape[EXPERT], finals_BNHKW.shape[-2]
+
+  def local(finals_BNHKW, seg_BS):
+    finals_2B = jnp.moveaxis(finals_BNHKW, 1, 0)
+    seg_2BC = None if seg_BS is None else _local_chunks(seg_BS)
+    return jnp.moveaxis(_initial_states(finals_2B[..., :key_dim], finals_2B[..., key_dim:], seg_2BC, ring), 0, 1)
+
+  spec = P(DATA, EXPERT)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, None if segment_ids_BS is None else spec), out_specs=spec,
+                       check_vma=True)(finals_BNHKW, segment_ids_BS)
+
+
 def context_gated_delta_rule(q, k, v, g, beta, *, mesh, segment_ids=None, chunk_size=64, l2_normalize=True,
                              state_kernel="xla", span_tokens=SPAN_TOKENS):
   """`gated_delta_rule` (same arguments, no initial or final state) of sequences in held order, split over 'expert'.

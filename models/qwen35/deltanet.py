@@ -23,16 +23,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.attention.context_parallel import splits_sequences
-from models.attention.gated_delta import gated_delta_rule
-from models.attention.gated_delta_context import context_gated_delta_rule, on_row_shards, preceding_rows
+from models.attention.gated_delta import gated_delta_rule, widened_values
+from models.attention.gated_delta_context import (context_gated_delta_rule, entering_states, on_row_shards,
+                                                  preceding_rows)
 from models.qwen3 import model as qwen3
 from models.sharding import batch_axes, make_param
-from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.axes import DATA, EXPERT
 
 
 def gated_rms_norm(x, gate, weight, eps):
@@ -44,24 +46,26 @@ def gated_rms_norm(x, gate, weight, eps):
 
 def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
   """Depthwise causal conv over S (Hugging Face's conv1d with W − 1 zeros of left padding): out[t] = Σ_j w[:, j] ·
-  x[t − (W − 1) + j], inputs from another document (`segment_ids_BS`) or before the row read as zeros."""
-  width = w_CW.shape[1]
+  x[t − (W − 1) + j], inputs from another document (`segment_ids_BS`) or before the row read as zeros. Any leading
+  dims: x [..., S, C], segment ids [..., S]."""
+  width, length = w_CW.shape[1], x_BSC.shape[-2]
   out = jnp.zeros(x_BSC.shape, jnp.float32)
   for j in range(width):
     shift = width - 1 - j
-    shifted = jnp.pad(x_BSC, [(0, 0), (shift, 0), (0, 0)])[:, :x_BSC.shape[1]]
+    shifted = jnp.pad(x_BSC, [(0, 0)] * (x_BSC.ndim - 2) + [(shift, 0), (0, 0)])[..., :length, :]
     if segment_ids_BS is not None and shift:
-      same = segment_ids_BS == jnp.pad(segment_ids_BS, [(0, 0), (shift, 0)], constant_values=-1)[:, :-shift]
-      shifted = jnp.where(same[..., None], shifted, 0)
+      before = jnp.pad(segment_ids_BS, [(0, 0)] * (segment_ids_BS.ndim - 1) + [(shift, 0)], constant_values=-1)
+      shifted = jnp.where((segment_ids_BS == before[..., :-shift])[..., None], shifted, 0)
     out = out + shifted.astype(jnp.float32) * w_CW[:, j].astype(jnp.float32)
   return out.astype(x_BSC.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class Spans:
-  """Rows of S positions cut into `chunks` each (the context-parallel chunks in held order, else 1: the row), each
-  chunk into `count` spans of `length` (the last padded)."""
+  """Rows of positions cut into N `chunks` each (the context-parallel chunks in held order, else 1: the row) of
+  `chunk` positions, each chunk into `count` spans of `length`, the last one padded."""
   chunks: int
+  chunk: int
   count: int
   length: int
 
@@ -69,23 +73,27 @@ class Spans:
   def of(cls, seq_len, chunks, span_tokens):
     chunk = seq_len // chunks
     count = 1 if not span_tokens or chunk <= span_tokens else -(-chunk // span_tokens)
-    return cls(chunks, count, -(-chunk // count))
+    return cls(chunks, chunk, count, -(-chunk // count))
 
   def split(self, x_BS):
-    """[B, S, ...] → [P, R, T, ...], R = B × chunks rows; padding repeats a chunk's last segment id, else zeros."""
-    b, s = x_BS.shape[:2]
-    x_RC = x_BS.reshape(b * self.chunks, s // self.chunks, *x_BS.shape[2:])
-    pad = self.count * self.length - x_RC.shape[1]
+    """[B, S, ...] → [P, B, N, T, ...]; padding repeats a chunk's last segment id, else zeros."""
+    x_BNC = x_BS.reshape(x_BS.shape[0], self.chunks, self.chunk, *x_BS.shape[2:])
+    pad = self.count * self.length - self.chunk
     if pad:
-      mode = "edge" if jnp.issubdtype(x_RC.dtype, jnp.integer) else "constant"
-      x_RC = jnp.pad(x_RC, [(0, 0), (0, pad)] + [(0, 0)] * (x_RC.ndim - 2), mode=mode)
-    return jnp.moveaxis(x_RC.reshape(x_RC.shape[0], self.count, self.length, *x_RC.shape[2:]), 1, 0)
+      mode = "edge" if jnp.issubdtype(x_BNC.dtype, jnp.integer) else "constant"
+      x_BNC = jnp.pad(x_BNC, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BNC.ndim - 3), mode=mode)
+    return jnp.moveaxis(x_BNC.reshape(*x_BNC.shape[:2], self.count, self.length, *x_BNC.shape[3:]), 2, 0)
 
-  def join(self, x_PRT, seq_len):
-    """The inverse of `split`: [P, R, T, ...] → [B, S, ...]."""
-    x_RC = jnp.moveaxis(x_PRT, 0, 1).reshape(x_PRT.shape[1], self.count * self.length, *x_PRT.shape[3:])
-    x_RC = x_RC[:, :seq_len // self.chunks]
-    return x_RC.reshape(x_RC.shape[0] // self.chunks, seq_len, *x_RC.shape[2:])
+  def join(self, x_PBNT):
+    """The inverse of `split`: [P, B, N, T, ...] → [B, S, ...]."""
+    x_BNPT = jnp.moveaxis(x_PBNT, 0, 2)
+    x_BNC = x_BNPT.reshape(*x_BNPT.shape[:2], -1, *x_BNPT.shape[4:])[:, :, :self.chunk]
+    return x_BNC.reshape(x_BNC.shape[0], -1, *x_BNC.shape[3:])
+
+  def positions(self):
+    """[P, 1, 1, T] float32: 1 at a chunk's positions, 0 at the padding."""
+    kept = np.arange(self.count * self.length) < self.chunk
+    return jnp.asarray(kept, jnp.float32).reshape(self.count, 1, 1, self.length)
 
   def scan(self, body, carry, xs):
     """`lax.scan(body, carry, xs)` over the spans, each step rematerialised; one span: one plain call."""
@@ -143,25 +151,73 @@ class GatedDeltaNet(qwen3.Layer):
 
   def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     del positions_BS  # the recurrence knows the order
-    c = self.config
-    b, s, _ = x_BSD.shape
-    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_value_head_dim)
     split = splits_sequences(self.runtime, self.mesh)
-    spans = Spans.of(s, 2 * self.mesh.shape[EXPERT] if split else 1, self.runtime.sequence_span_tokens)
-    seg_PRT = None if segment_ids_BS is None else spans.split(segment_ids_BS)
-    x_PRTD = spans.split(x_BSD)
+    spans = Spans.of(x_BSD.shape[1], 2 * self.mesh.shape[EXPERT] if split else 1, self.runtime.sequence_span_tokens)
     w = self._weights(spans)
     history = self._history(x_BSD, segment_ids_BS, split, w)
-    _, (qkv_PRTC, g_PRTQ, beta_PRTQ) = spans.scan(functools.partial(self._mix_inputs, w), history,
-                                                  (x_PRTD, seg_PRT))
-    q, k, v = jnp.split(spans.join(qkv_PRTC, s), [hk * dk, 2 * hk * dk], axis=-1)
+    if spans.count == 1:
+      return self._whole(w, history, x_BSD, segment_ids_BS)
+    return self._in_spans(spans, w, history, x_BSD, segment_ids_BS, split)
+
+  def _whole(self, w, history, x_BSD, segment_ids_BS):
+    """Rows at once: projections and conv, the rule (across chunks under context parallelism), the output."""
+    b, s, _ = x_BSD.shape
+    chunks = lambda x: None if x is None else x.reshape(b, history[0].shape[1], -1, *x.shape[2:])
+    _, qkvgb = self._mix_inputs(w, history, (chunks(x_BSD), chunks(segment_ids_BS)))
     with jax.named_scope("deltanet"):
-      o_BSQX, _ = delta_rule(self.runtime, self.mesh)(
-          q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), spans.join(g_PRTQ, s),
-          spans.join(beta_PRTQ, s), segment_ids=segment_ids_BS)
-    _, out_PRTD = spans.scan(functools.partial(self._output, w), None, (x_PRTD, spans.split(o_BSQX)))
-    return spans.join(out_PRTD, s)
+      o_BSQX, _ = delta_rule(self.runtime, self.mesh)(*(x.reshape(b, s, *x.shape[3:]) for x in qkvgb),
+                                                      segment_ids=segment_ids_BS)
+    return self._output(w, x_BSD, o_BSQX)
+
+  def _in_spans(self, spans, w, history, x_BSD, segment_ids_BS, split):
+    """Each chunk as a scan over its spans, the conv's history and the delta state carried; under context
+    parallelism a first scan gives each chunk's state map, the maps cross the devices, and the second starts each
+    chunk from its entering state."""
+    seg_PBNT = None if segment_ids_BS is None else spans.split(segment_ids_BS)
+    xs = (spans.split(x_BSD), seg_PBNT, spans.positions())
+    c = self.config
+    k, v = c.linear_key_head_dim, c.linear_value_head_dim
+    rows = (x_BSD.shape[0], spans.chunks, c.linear_num_value_heads, k)
+    state_BNQXV = jnp.zeros((*rows, v), jnp.float32)
+    if split:
+      first_BNQXW = jnp.broadcast_to(jnp.eye(k, k + v), (*rows, k + v))  # [M | b] = [I | 0]
+      (_, finals_BNQXW), _ = spans.scan(functools.partial(self._span, w, True), (history, first_BNQXW), xs)
+      with jax.named_scope("deltanet"):
+        state_BNQXV = entering_states(finals_BNQXW, mesh=self.mesh, segment_ids_BS=segment_ids_BS)
+    _, out_PBNTD = spans.scan(functools.partial(self._span, w, False), (history, state_BNQXV), xs)
+    return spans.join(out_PBNTD)
+
+  def _span(self, w, transition, carry, xs):
+    """One span of every chunk: the rule from the carried state (zeroed where the span begins a document), the
+    layer's output; or (`transition`) no output, the state [M | b] of values [0 | v] carried instead."""
+    (history, state_BNQXW), (x_BNTD, seg_BNT, kept_11T) = carry, xs
+    seg_before_BNW = history[1]
+    history, (q, k, v, g, beta) = self._mix_inputs(w, history, (x_BNTD, seg_BNT))
+    with jax.named_scope("deltanet"):
+      g, beta = g * kept_11T[..., None], beta * kept_11T[..., None]  # padding leaves the state as it is
+      if seg_BNT is not None:
+        state_BNQXW = state_BNQXW * (seg_BNT[..., 0] == seg_before_BNW[..., -1])[..., None, None, None]
+      if transition:
+        v = widened_values(v, k.shape[-1])
+      o_BNTQX, state_BNQXW = self._span_rule(q, k, v, g, beta, seg_BNT, state_BNQXW)
+    return (history, state_BNQXW), (None if transition else self._output(w, x_BNTD, o_BNTQX))
+
+  def _span_rule(self, q, k, v, g, beta, seg_BNT, state_BNQXW):
+    """The rule on [B, N, T, ...] from and to a state, each device's rows of chunks in a shard_map (its Pallas
+    kernels cannot be partitioned by XLA, and XLA would merge B and N by moving rows)."""
+    kernel = delta_state_kernel(self.runtime, self.mesh.devices.flat[0].platform)
+    spec = P(DATA, EXPERT) if splits_sequences(self.runtime, self.mesh) else P(batch_axes(self.runtime))
+
+    def local(q, k, v, g, beta, seg_BNT, state_BNQXW):
+      rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
+      o, state = gated_delta_rule(*map(rows, (q, k, v, g, beta)), segment_ids=rows(seg_BNT),
+                                  initial_state=rows(state_BNQXW), output_final_state=True, state_kernel=kernel,
+                                  span_tokens=None)
+      return o.reshape(*v.shape[:-1], o.shape[-1]), state.reshape(state_BNQXW.shape)
+
+    specs = (spec,) * 5 + (None if seg_BNT is None else spec, spec)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(spec, spec), check_vma=kernel == "xla")(
+        q, k, v, g, beta, seg_BNT, state_BNQXW)
 
   def _weights(self, spans):
     """The weights in the compute dtype; before scans over spans, whole on every device (FSDP gathers them once,
@@ -171,39 +227,41 @@ class GatedDeltaNet(qwen3.Layer):
     return {name: whole(self.cast(getattr(self, name))) for name in names}
 
   def _history(self, x_BSD, segment_ids_BS, split, w):
-    """(the conv's inputs [R, W − 1, C], their segment ids [R, W − 1] or None) before each chunk: zeros before a
+    """(the conv's inputs [B, N, W − 1, C], their segment ids [B, N, W − 1] or None) before each chunk: zeros before a
     row; under context parallelism the chunk before is another device's, its last positions gathered."""
     rows, b = self.config.linear_conv_kernel_dim - 1, x_BSD.shape[0]
     if not split:
-      seg_RW = None if segment_ids_BS is None else jnp.zeros((b, rows), segment_ids_BS.dtype)
-      return jnp.zeros((b, rows, w["in_qkv_DC"].shape[1]), x_BSD.dtype), seg_RW
-    before = lambda x: preceding_rows(x, rows, mesh=self.mesh)
-    seg_RW = None if segment_ids_BS is None else before(segment_ids_BS).reshape(-1, rows)
+      seg_BNW = None if segment_ids_BS is None else jnp.zeros((b, 1, rows), segment_ids_BS.dtype)
+      return jnp.zeros((b, 1, rows, w["in_qkv_DC"].shape[1]), x_BSD.dtype), seg_BNW
+    before = lambda x: (lambda y: y.reshape(b, -1, rows, *y.shape[2:]))(preceding_rows(x, rows, mesh=self.mesh))
+    seg_BNW = None if segment_ids_BS is None else before(segment_ids_BS)
     with jax.named_scope("projection"):
-      return before(x_BSD).reshape(-1, rows, x_BSD.shape[2]) @ w["in_qkv_DC"], seg_RW
+      return before(x_BSD) @ w["in_qkv_DC"], seg_BNW
 
   def _mix_inputs(self, w, history, xs):
-    """One span: projection, conv (after the carried history), SiLU and the gates; carries the history on."""
-    (qkv_RWC, seg_RW), (x_RTD, seg_RT) = history, xs
-    rows = qkv_RWC.shape[1]
+    """[B, N, T] positions after the conv's `history`: projection, conv, SiLU and the gates, (q, k, v with heads, g, β);
+    the history carried on."""
+    (qkv_BNWC, seg_BNW), (x_BNTD, seg_BNT) = history, xs
+    c, rows = self.config, qkv_BNWC.shape[2]
     with jax.named_scope("projection"):
-      qkv_RTC = x_RTD @ w["in_qkv_DC"]
-      beta_RTQ = jax.nn.sigmoid((x_RTD @ w["in_b_DC"]).astype(jnp.float32))
-      a_RTQ = (x_RTD @ w["in_a_DC"]).astype(jnp.float32)
+      qkv_BNTC = x_BNTD @ w["in_qkv_DC"]
+      beta_BNTQ = jax.nn.sigmoid((x_BNTD @ w["in_b_DC"]).astype(jnp.float32))
+      a_BNTQ = (x_BNTD @ w["in_a_DC"]).astype(jnp.float32)
     with jax.named_scope("deltanet"):  # the step profile's part (`train.profile.step_parts`): conv, gates, rule
-      wide_RWC = jnp.concatenate([qkv_RWC, qkv_RTC], axis=1)
-      wide_seg = None if seg_RT is None else jnp.concatenate([seg_RW, seg_RT], axis=1)
-      qkv_RTC = jax.nn.silu(causal_conv(wide_RWC, w["conv_CW"], wide_seg)[:, rows:])
-      g_RTQ = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(
-          a_RTQ + self.dt_bias_Q[...].astype(jnp.float32))
-    history = (wide_RWC[:, -rows:], None if wide_seg is None else wide_seg[:, -rows:])
-    return history, (qkv_RTC, g_RTQ, beta_RTQ)
+      wide_BNWC = jnp.concatenate([qkv_BNWC, qkv_BNTC], axis=2)
+      wide_seg = None if seg_BNT is None else jnp.concatenate([seg_BNW, seg_BNT], axis=2)
+      qkv_BNTC = jax.nn.silu(causal_conv(wide_BNWC, w["conv_CW"], wide_seg)[:, :, rows:])
+      g_BNTQ = -jnp.exp(self.a_log_Q[...].astype(jnp.float32)) * jax.nn.softplus(
+          a_BNTQ + self.dt_bias_Q[...].astype(jnp.float32))
+    history = (wide_BNWC[:, :, -rows:], None if wide_seg is None else wide_seg[:, :, -rows:])
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    q, k, v = jnp.split(qkv_BNTC, [hk * dk, 2 * hk * dk], axis=-1)
+    heads = lambda x, width: x.reshape(*x.shape[:3], -1, width)
+    return history, (heads(q, dk), heads(k, dk), heads(v, dv), g_BNTQ, beta_BNTQ)
 
-  def _output(self, w, carry, xs):
-    """One span: the gate's projection, the gated norm, the output projection."""
-    x_RTD, o_RTQX = xs
-    c = self.config
+  def _output(self, w, x, o):
+    """Positions ([B, S] or [B, N, T]): the gate's projection, the gated norm, the output projection."""
     with jax.named_scope("projection"):
-      z_RTQX = (x_RTD @ w["in_z_DC"]).reshape(o_RTQX.shape)
-      o_RTQX = gated_rms_norm(o_RTQX, z_RTQX, self.norm_X[...], c.rms_norm_eps)
-      return carry, o_RTQX.reshape(*o_RTQX.shape[:2], -1) @ w["out_CD"]
+      z = (x @ w["in_z_DC"]).reshape(o.shape)
+      o = gated_rms_norm(o, z, self.norm_X[...], self.config.rms_norm_eps)
+      return o.reshape(*o.shape[:-2], -1) @ w["out_CD"]
