@@ -65,11 +65,6 @@ def _params(grads):
   return jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
-# One document is the documents case without resets (the rule-level test below checks it in the default run); the
-# model-level one-document cases (~35 s on 2 cores) run in CI's slow step.
-ONE_DOCUMENT_SLOW = [pytest.param(None, marks=pytest.mark.slow), SEGMENTS]
-
-
 @pytest.mark.slow  # ~14 s: the gradients' test below runs the same forward through the loss in the default run
 @pytest.mark.parametrize("segment_ids", [None, SEGMENTS], ids=["one-document", "documents"])
 def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
@@ -84,7 +79,11 @@ def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
 SPANS = 3
 
 
-@pytest.mark.parametrize("segment_ids,span_tokens", [pytest.param(None, 0, marks=pytest.mark.slow), (SEGMENTS, 0),
+# The layer at once under context parallelism is `context_gated_delta_rule` (tested alone below, one document and
+# documents) between the same projections, conv history and output as in spans: its model-level cases (~35 s each on
+# 2 cores) run in CI's slow step.
+@pytest.mark.parametrize("segment_ids,span_tokens", [pytest.param(None, 0, marks=pytest.mark.slow),
+                                                     pytest.param(SEGMENTS, 0, marks=pytest.mark.slow),
                                                      (SEGMENTS, SPANS)],
                          ids=["one-document", "documents", "documents-spans"])
 def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids, span_tokens):

@@ -109,8 +109,9 @@ def test_the_pallas_delta_kernels_give_transformers_logits(monkeypatch):
   assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
 
 
-def test_deltanet_in_spans_gives_transformers_logits():
-  """Rows of 100 in spans of 20 (`runtime.sequence_span_tokens`): the conv's history carried across spans."""
+def test_layers_in_spans_give_transformers_logits():
+  """Rows of 100 in spans of 20 (`runtime.sequence_span_tokens`): the DeltaNet layers, the conv's history carried across
+  spans, and the attention's gated output projection."""
   tokens, expected = _reference(100)
   assert np.abs(np.asarray(_logits(_loaded(sequence_span_tokens=24), tokens)) - expected).max() <= LOGITS_ATOL
 

@@ -18,14 +18,10 @@ Shape letters: see `relaymoe_jax`; in this layer R counts rows of chunks, T a sp
 width, W the conv window, P spans.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.attention.context_parallel import splits_sequences
@@ -34,6 +30,7 @@ from models.attention.gated_delta_context import (context_gated_delta_rule, ente
                                                   preceding_rows)
 from models.qwen3 import model as qwen3
 from models.sharding import batch_axes, make_param
+from models.spans import Spans
 from relaymoe_jax.axes import DATA, EXPERT
 
 
@@ -58,49 +55,6 @@ def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
       shifted = jnp.where((segment_ids_BS == before[..., :-shift])[..., None], shifted, 0)
     out = out + shifted.astype(jnp.float32) * w_CW[:, j].astype(jnp.float32)
   return out.astype(x_BSC.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Spans:
-  """Rows of positions cut into N `chunks` each (the context-parallel chunks in held order, else 1: the row) of
-  `chunk` positions, each chunk into `count` spans of `length`, the last one padded."""
-  chunks: int
-  chunk: int
-  count: int
-  length: int
-
-  @classmethod
-  def of(cls, seq_len, chunks, span_tokens):
-    chunk = seq_len // chunks
-    count = 1 if not span_tokens or chunk <= span_tokens else -(-chunk // span_tokens)
-    return cls(chunks, chunk, count, -(-chunk // count))
-
-  def split(self, x_BS):
-    """[B, S, ...] → [P, B, N, T, ...]; padding repeats a chunk's last segment id, else zeros."""
-    x_BNC = x_BS.reshape(x_BS.shape[0], self.chunks, self.chunk, *x_BS.shape[2:])
-    pad = self.count * self.length - self.chunk
-    if pad:
-      mode = "edge" if jnp.issubdtype(x_BNC.dtype, jnp.integer) else "constant"
-      x_BNC = jnp.pad(x_BNC, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BNC.ndim - 3), mode=mode)
-    return jnp.moveaxis(x_BNC.reshape(*x_BNC.shape[:2], self.count, self.length, *x_BNC.shape[3:]), 2, 0)
-
-  def join(self, x_PBNT):
-    """The inverse of `split`: [P, B, N, T, ...] → [B, S, ...]."""
-    x_BNPT = jnp.moveaxis(x_PBNT, 0, 2)
-    x_BNC = x_BNPT.reshape(*x_BNPT.shape[:2], -1, *x_BNPT.shape[4:])[:, :, :self.chunk]
-    return x_BNC.reshape(x_BNC.shape[0], -1, *x_BNC.shape[3:])
-
-  def positions(self):
-    """[P, 1, 1, T] float32: 1 at a chunk's positions, 0 at the padding."""
-    kept = np.arange(self.count * self.length) < self.chunk
-    return jnp.asarray(kept, jnp.float32).reshape(self.count, 1, 1, self.length)
-
-  def scan(self, body, carry, xs):
-    """`lax.scan(body, carry, xs)` over the spans, each step rematerialised; one span: one plain call."""
-    if self.count == 1:
-      carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
-      return carry, jax.tree.map(lambda y: y[None], ys)
-    return lax.scan(jax.checkpoint(body), carry, xs)
 
 
 # The kernel path on GPUs. Off until a GPU has run it: rewritten (the inverses as kernels, the output out of the
@@ -152,7 +106,7 @@ class GatedDeltaNet(qwen3.Layer):
   def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     del positions_BS  # the recurrence knows the order
     split = splits_sequences(self.runtime, self.mesh)
-    spans = Spans.of(x_BSD.shape[1], 2 * self.mesh.shape[EXPERT] if split else 1, self.runtime.sequence_span_tokens)
+    spans = Spans.of_run(x_BSD.shape[1], self.runtime, self.mesh)
     w = self._weights(spans)
     history = self._history(x_BSD, segment_ids_BS, split, w)
     if spans.count == 1:
@@ -222,9 +176,8 @@ class GatedDeltaNet(qwen3.Layer):
   def _weights(self, spans):
     """The weights in the compute dtype; before scans over spans, whole on every device (FSDP gathers them once,
     not once a span)."""
-    whole = lambda w: w if spans.count == 1 else jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, P()))
     names = ("in_qkv_DC", "in_z_DC", "in_b_DC", "in_a_DC", "conv_CW", "out_CD")
-    return {name: whole(self.cast(getattr(self, name))) for name in names}
+    return {name: spans.whole(self.cast(getattr(self, name)), self.mesh) for name in names}
 
   def _history(self, x_BSD, segment_ids_BS, split, w):
     """(the conv's inputs [B, N, W − 1, C], their segment ids [B, N, W − 1] or None) before each chunk: zeros before a

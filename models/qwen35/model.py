@@ -20,6 +20,7 @@ from models.qwen35.config import FULL
 from models.qwen35.deltanet import GatedDeltaNet
 from models.runtime import RuntimeConfig
 from models.sharding import make_param
+from models.spans import Spans
 
 
 def zero_centred_rms_norm(x, weight, eps):
@@ -58,19 +59,31 @@ class GatedAttention(qwen3.Layer):
 
   def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     c = self.config
-    b, s, _ = x_BSD.shape
+    b, s, d = x_BSD.shape
+    spans = Spans.of_run(s, self.runtime, self.mesh)
+    # q and the gate as two projections: no [positions, 2 × heads × head_dim] tensor (nor its gradient) at once.
+    q_gate_DQ2Z = self.cast(self.q_gate_DH).reshape(d, c.num_attention_heads, 2, c.head_dim)
     with jax.named_scope("projection"):
-      q_gate = (x_BSD @ self.cast(self.q_gate_DH)).reshape(b, s, c.num_attention_heads, 2 * c.head_dim)
-      q, gate = q_gate[..., :c.head_dim], q_gate[..., c.head_dim:]
+      q = (x_BSD @ q_gate_DQ2Z[:, :, 0].reshape(d, -1)).reshape(b, s, c.num_attention_heads, c.head_dim)
       k = (x_BSD @ self.cast(self.k_DG)).reshape(b, s, c.num_key_value_heads, c.head_dim)
       v = (x_BSD @ self.cast(self.v_DG)).reshape(b, s, c.num_key_value_heads, c.head_dim)
     q, k = self.q_norm(q), self.k_norm(k)
     with jax.named_scope("rope"):
       q, k = partial_rope(q, positions_BS, c), partial_rope(k, positions_BS, c)
-    out = qwen3.attend_heads(q, k, v, c.head_dim ** -0.5, self.runtime, self.mesh, segment_ids_BS)
-    with jax.named_scope("projection"):
-      out = out.reshape(b, s, -1) * jax.nn.sigmoid(gate.reshape(b, s, -1).astype(jnp.float32)).astype(out.dtype)
-      return out @ self.cast(self.o_HD)
+    out_BSQZ = qwen3.attend_heads(q, k, v, c.head_dim ** -0.5, self.runtime, self.mesh, segment_ids_BS)
+    w_gate, w_out = (spans.whole(w, self.mesh) for w in (q_gate_DQ2Z[:, :, 1].reshape(d, -1), self.cast(self.o_HD)))
+    _, y_PBNTD = spans.scan(lambda _, xs: (None, gated_output(*xs, w_gate, w_out)), None,
+                            (spans.split(x_BSD), spans.split(out_BSQZ)))
+    return spans.join(y_PBNTD)
+
+
+def gated_output(x, out, w_gate, w_out):
+  """The attention's output projection of `out` [..., heads, head_dim] times sigmoid(x @ w_gate): a span at a time on
+  long rows (`models.spans`), so the gate exists a span at a time."""
+  with jax.named_scope("projection"):
+    gate = (x @ w_gate).astype(jnp.float32)
+    out = out.reshape(*out.shape[:-2], -1) * jax.nn.sigmoid(gate).astype(out.dtype)
+    return out @ w_out
 
 
 def partial_rope(x_BSQZ, positions_BS, config):

@@ -1,7 +1,7 @@
 """Where a train step's device time goes, by part of the model: each profiled kernel (GPU) or op (CPU) is mapped
 to the HLO instruction it ran (the trace's `hlo_op`), and that instruction to a part by the JAX name scopes in its
 `op_name` metadata (`models/qwen3/model.py`'s `lm_head`, `attention`, `moe`, `router`, `projection`, `norm`, `rope`;
-`models/qwen35/model.py`'s `deltanet`; `train/step.py`'s `optimizer`), read from the compiled executable's HLO text. Its opcode decides the rest:
+`models/qwen35/deltanet.py`'s `deltanet`; `train/step.py`'s `optimizer`), read from the compiled executable's HLO text. Its opcode decides the rest:
 collectives are communication wherever they sit, copies are copies, and inside `moe` the matmuls (outside
 `router`) are the grouped matmuls.
 

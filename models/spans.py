@@ -1,0 +1,73 @@
+"""Spans of the sequence: a layer's per-position work on long rows as a scan over spans of positions, each step
+rematerialised, so its temporaries are a span's, not the row's (`runtime.sequence_span_tokens`). Rows are cut along
+the context-parallel chunks they are held in (each device's own positions, no data moves), then each chunk into
+spans; one span a chunk is no scan at all.
+
+Shape letters: see `relaymoe_jax`; here N counts a row's chunks, T a span's positions, P spans.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.attention.context_parallel import splits_sequences
+from relaymoe_jax.axes import EXPERT
+
+
+@dataclasses.dataclass(frozen=True)
+class Spans:
+  """Rows of positions cut into N `chunks` each (the context-parallel chunks in held order, else 1: the row) of
+  `chunk` positions, each chunk into `count` spans of `length`, the last one padded."""
+  chunks: int
+  chunk: int
+  count: int
+  length: int
+
+  @classmethod
+  def of(cls, seq_len, chunks, span_tokens):
+    """Rows of `seq_len` in spans of at most about `span_tokens` (0: whole chunks)."""
+    chunk = seq_len // chunks
+    count = 1 if not span_tokens or chunk <= span_tokens else -(-chunk // span_tokens)
+    return cls(chunks, chunk, count, -(-chunk // count))
+
+  @classmethod
+  def of_run(cls, seq_len, runtime, mesh):
+    """The spans `runtime` cuts rows of `seq_len` into on `mesh` (per context-parallel chunk where it splits them)."""
+    chunks = 2 * mesh.shape[EXPERT] if splits_sequences(runtime, mesh) else 1
+    return cls.of(seq_len, chunks, runtime.sequence_span_tokens)
+
+  def split(self, x_BS):
+    """[B, S, ...] → [P, B, N, T, ...]; padding repeats a chunk's last segment id, else zeros."""
+    x_BNC = x_BS.reshape(x_BS.shape[0], self.chunks, self.chunk, *x_BS.shape[2:])
+    pad = self.count * self.length - self.chunk
+    if pad:
+      mode = "edge" if jnp.issubdtype(x_BNC.dtype, jnp.integer) else "constant"
+      x_BNC = jnp.pad(x_BNC, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BNC.ndim - 3), mode=mode)
+    return jnp.moveaxis(x_BNC.reshape(*x_BNC.shape[:2], self.count, self.length, *x_BNC.shape[3:]), 2, 0)
+
+  def join(self, x_PBNT):
+    """The inverse of `split`: [P, B, N, T, ...] → [B, S, ...]."""
+    x_BNPT = jnp.moveaxis(x_PBNT, 0, 2)
+    x_BNC = x_BNPT.reshape(*x_BNPT.shape[:2], -1, *x_BNPT.shape[4:])[:, :, :self.chunk]
+    return x_BNC.reshape(x_BNC.shape[0], -1, *x_BNC.shape[3:])
+
+  def positions(self):
+    """[P, 1, 1, T] float32: 1 at a chunk's positions, 0 at the padding."""
+    kept = np.arange(self.count * self.length) < self.chunk
+    return jnp.asarray(kept, jnp.float32).reshape(self.count, 1, 1, self.length)
+
+  def whole(self, w, mesh):
+    """A weight used in every span whole on every device (gathered once, not once a span, where it is split)."""
+    return w if self.count == 1 else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
+
+  def scan(self, body, carry, xs):
+    """`lax.scan(body, carry, xs)` over the spans, each step rematerialised; one span: one plain call."""
+    if self.count == 1:
+      carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
+      return carry, jax.tree.map(lambda y: y[None], ys)
+    return lax.scan(jax.checkpoint(body), carry, xs)
