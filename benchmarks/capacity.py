@@ -27,6 +27,7 @@ import sys
 import time
 
 from benchmarks import harness
+from train.config import load_run_config
 
 VARIANTS = ("ring", "a2a_dropless", "a2a_cf1")
 # A confirming step that has not finished by then is reported so. It compiles afresh (no persistent cache), then
@@ -198,7 +199,7 @@ def summary(data):
   seq = {v: max([_longest(s["variants"].get(v, {})) for s in local] or [0]) for v in VARIANTS}
   local = local[0]
   ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
-  return (f"summary: capacity model=qwen3_30b gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
+  return (f"summary: capacity model={_model(data)} gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "
           f"a2a_max_seq={seq.get('a2a_dropless', 0)} cf1_max_seq={seq.get('a2a_cf1', 0)} ratio={ratio:.2f}")
 
 
@@ -206,9 +207,13 @@ def _context_parallel_summary(data):
   setting = max(data["settings"], key=lambda s: (s.get("gpus") or 0, s["layers"]))
   seq = {v: _longest(setting["variants"].get(v, {})) for v in VARIANTS}
   ratio = seq["ring"] / seq["a2a_dropless"] if seq["a2a_dropless"] else float("nan")
-  return (f"summary: capacity_cp model=qwen3_30b gpus={setting['gpus']} layers={setting['layers']} "
+  return (f"summary: capacity_cp model={_model(data)} gpus={setting['gpus']} layers={setting['layers']} "
           f"ring_max_seq={seq['ring']} a2a_max_seq={seq['a2a_dropless']} cf1_max_seq={seq['a2a_cf1']} "
           f"ratio={ratio:.2f}")
+
+
+def _model(data):
+  return data.get("model", "qwen3_30b")  # results written before the model was recorded are Qwen3-30B-A3B's
 
 
 def _ran(step):
@@ -232,7 +237,7 @@ def plot(data, path):
     values = [((s["variants"].get(variant) or {}).get("plan") or {}).get("seq_len", 0) / 1024 for s in settings]
     ax.bar([j + i * width for j in range(len(settings))], values, width, label=variant)
   ax.set_xticks([j + width for j in range(len(settings))], [s["name"] for s in settings], fontsize=8)
-  ax.set(ylabel="longest sequence (K tokens), micro-batch 1 per GPU", title="Qwen3-30B-A3B shape: what trains")
+  ax.set(ylabel="longest sequence (K tokens), micro-batch 1 per GPU", title=f"{_model(data)}: what trains")
   ax.legend()
   fig.tight_layout()
   harness.save_figure(fig, path)
@@ -296,6 +301,7 @@ def main(argv=None):
   # The machine (and, alone, the loss head) from a JAX child, which holds no GPU memory once it has answered.
   info = describe(args.loss_head_only, args.topology, args.target_config)
   data = dict(command=harness.command_line("capacity", argv), machine=info["machine"], settings=[],
+              model=load_run_config(args.config).model,
               context_parallel=args.context_parallel)
   if args.loss_head_only:
     data["loss_head"] = info["loss_head"]

@@ -3,7 +3,7 @@ rematerialised, so its temporaries are a span's, not the row's (`runtime.sequenc
 the context-parallel chunks they are held in (each device's own positions, no data moves), then each chunk into
 spans; one span a chunk is no scan at all.
 
-Shape letters: see `relaymoe_jax`; here N counts a row's chunks, T a span's positions, P spans.
+Shape letters: see `relaymoe_jax` (its Qwen3.5 spans line).
 """
 
 import dataclasses

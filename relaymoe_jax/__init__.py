@@ -26,7 +26,8 @@ point here):
   Y     MoE layers (a model's, in order)
   A     micro-batches of one training step (gradient accumulation)
   In Qwen3.5's Gated DeltaNet (`models.qwen35`): C its conv channels ([q | k | v]), Q its value heads, X a head's
-  width, W the conv window; inside the gated delta rule (`models.attention.gated_delta*`, its own legend) H value
+  width, W the conv window; in spans of the sequence (`models.spans`) N a row's chunks, T a span's positions, P
+  spans; inside the gated delta rule (`models.attention.gated_delta*`, its own legend) H value
   heads, G key heads, R value heads per key head, K / V a head's key / value width, C chunk positions, N chunks,
   J one block's columns of V, M matrices and X any leading dims.
 

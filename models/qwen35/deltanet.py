@@ -4,18 +4,19 @@ The layer: one projection to [q | k | v], a causal depthwise conv with SiLU, the
 (`models.attention.gated_delta`) with β = sigmoid(b) and log decay g = −exp(A_log) · softplus(a + dt_bias), then an
 RMSNorm gated by SiLU(z) and the output projection. Packed documents restart the conv window and the state.
 
-Spans. Every part but the rule is per token save the conv, which reads the W − 1 positions before each one. A row
-(under context parallelism each of its chunks, `models.attention.context_parallel`) longer than
-`runtime.sequence_span_tokens` is cut into spans, and the layer runs as three passes: a scan over spans projecting
-and convolving (the conv's last W − 1 inputs carried from span to span; a chunk's first span gets them from the
-chunk before it in the sequence, `preceding_rows`), the rule over the whole row (spans of its own, the state
-carried), and a scan over spans for the gate's projection, the norm and the output projection. Each scan's body is
-rematerialised: backward recomputes one span at a time, so a [positions, 8192] activation exists once (q | k | v)
-instead of a dozen times (forward and backward copies of the projection, conv, SiLU, split and their float32
-gradients). One span (a short row) runs the passes as plain calls, with nothing recomputed.
+Spans (`models.spans`). A row (under context parallelism each of its chunks, `models.attention.context_parallel`)
+longer than `runtime.sequence_span_tokens` runs as a scan over spans of it, the whole layer per span: the projection
+and conv after the conv's last W − 1 inputs carried from the span before (a chunk's first span gets them from the
+chunk before it in the sequence, `preceding_rows`), the rule from the carried state, the gated norm and the output
+projection. Each step is rematerialised: backward recomputes one span at a time, so the layer's [positions, 8192]
+tensors exist a span at a time, not a dozen times over the row (forward and backward copies of the projection,
+conv, SiLU, split and their float32 gradients), for one more forward of the layer in backward. Under context
+parallelism a first scan carries each chunk's state map instead ([M | b], the rule's state from [I | 0] with values
+[0 | v]), the maps cross the devices (`entering_states`), and the second scan starts each chunk from its entering
+state. A row of one span runs the layer at once, nothing recomputed.
 
-Shape letters: see `relaymoe_jax`; in this layer R counts rows of chunks, T a span's positions, X a key head's
-width, W the conv window, P spans.
+Shape letters: see `relaymoe_jax`; in this layer N counts a row's chunks, T a span's positions, X a key head's width,
+W the conv window (and K + V columns of [M | b]), P spans.
 """
 
 import functools
