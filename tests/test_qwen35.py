@@ -109,11 +109,14 @@ def test_the_pallas_delta_kernels_give_transformers_logits(monkeypatch):
   assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
 
 
-def test_layers_in_spans_give_transformers_logits():
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_layers_in_spans_give_transformers_logits(monkeypatch, kernel):
   """Rows of 100 in spans of 20 (`runtime.sequence_span_tokens`): the DeltaNet layers, the conv's history carried across
-  spans, and the attention's gated output projection."""
+  spans, and the attention's gated output projection; with the DeltaNet's Pallas kernels too (what GPUs run)."""
+  monkeypatch.setattr(qwen35_deltanet, "delta_state_kernel", lambda runtime, platform: kernel)
   tokens, expected = _reference(100)
-  assert np.abs(np.asarray(_logits(_loaded(sequence_span_tokens=24), tokens)) - expected).max() <= LOGITS_ATOL
+  logits = nnx.jit(lambda model, tokens: model(tokens))(_loaded(sequence_span_tokens=24), tokens)  # traced afresh
+  assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
 
 
 def test_unscanned_layers_give_transformers_logits():
@@ -165,6 +168,12 @@ def test_flops_count_the_deltanet_and_the_attention_gate():
   mean_attention, _, scores = mean_layer_flops(config, 4096)
   assert scores == pytest.approx(10 / 40 * 2 * 4096 * 16 * 256)
   assert mean_attention == pytest.approx((30 * delta_flops(config) + 10 * layer_forward_flops(config, 4096, 3)[0]) / 40)
+
+
+@pytest.mark.parametrize("value", [-1, 0.5, "auto"])
+def test_a_bad_span_is_named(value):
+  with pytest.raises(UserError, match=f"sequence_span_tokens={value!r} must be an integer ≥ 0"):
+    RuntimeConfig(sequence_span_tokens=value)
 
 
 @pytest.mark.parametrize("change,message", [

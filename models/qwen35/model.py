@@ -4,9 +4,10 @@ Decoder layer: h = x + Mixer(RMSNorm(x)); out = h + MoE(RMSNorm(h)), where Mixer
 (`linear_attention`) or gated attention (`full_attention`) and every MoE has a sigmoid-gated shared expert. All
 RMSNorms but the DeltaNet's output norm are zero-centred (scale 1 + w). Gated attention: q_proj gives per head a
 query and a gate, q and k are normed per head, RoPE turns the first `rotary_dim` dims, GQA causal attention (the
-kernels of `models.attention`), the output times sigmoid(gate). Gated DeltaNet: `models.qwen35.deltanet`. The
-outer model (embedding, LM head, losses, sharding) is `models.qwen3.model.Qwen3MoE`'s; the layers are stacked as repeats of the layer-type pattern (3 DeltaNet + 1
-attention in the released model), one `lax.scan` over the repeats. Shape letters: see `relaymoe_jax`.
+kernels of `models.attention`; on long rows its gated output projection in spans, `models.spans`), the output
+times sigmoid(gate). Gated DeltaNet: `models.qwen35.deltanet`. The outer model (embedding, LM head, losses,
+sharding) is `models.qwen3.model.Qwen3MoE`'s; the layers are stacked as repeats of the layer-type pattern (3
+DeltaNet + 1 attention in the released model), one `lax.scan` over the repeats. Shape letters: see `relaymoe_jax`.
 """
 
 import functools
