@@ -17,10 +17,12 @@ class Family:
   config_class: type
   model: ModuleType  # abstract(), create_sharded()
   hf_types: tuple  # the config.json model_types it reads
+  spans: bool = False  # its layers run long rows in spans (`models.spans`, `runtime.sequence_span_tokens`)
 
 
 QWEN3 = Family("qwen3_moe", qwen3_config.Qwen3MoEConfig, qwen3, tuple(qwen3_hf.FAMILIES))
-QWEN35 = Family(qwen35_config.MODEL_TYPE, qwen35_config.Qwen35MoEConfig, qwen35, qwen35_hf.MODEL_TYPES)
+QWEN35 = Family(qwen35_config.MODEL_TYPE, qwen35_config.Qwen35MoEConfig, qwen35, qwen35_hf.MODEL_TYPES,
+                spans=True)
 FAMILIES = (QWEN3, QWEN35)
 
 

@@ -16,8 +16,9 @@ from conftest import assert_close, requires_devices, trainer_mesh
 from models import families
 from models.attention.context_parallel import to_held_order, to_sequence_order
 from models.attention.gated_delta import gated_delta_rule
-from models.attention.gated_delta_context import context_gated_delta_rule
+from models.attention.gated_delta_context import context_gated_delta_rule, preceding_rows
 from models.runtime import RuntimeConfig
+from relaymoe_jax.errors import UserError
 
 # 8 chunks of 8 tokens over the 4 expert devices; 8 rows, as the model without context parallelism splits rows over
 # all 8 devices.
@@ -125,3 +126,8 @@ def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids, state_
   expected = jax.jit(jax.value_and_grad(whole, argnums=range(5)))(*inputs)
   actual = jax.jit(jax.value_and_grad(split, argnums=range(5)))(*inputs)
   assert_close(actual, expected, RTOL, "output and gradients")
+
+
+def test_chunks_shorter_than_the_conv_history_are_named():
+  with pytest.raises(UserError, match="chunks of 2 tokens are shorter than the DeltaNet conv's 3 tokens of history"):
+    preceding_rows(jnp.zeros((2, 16, 4)), 3, mesh=trainer_mesh())

@@ -662,3 +662,36 @@ def test_the_plan_table_reads_at_any_size_and_says_what_to_try_where_nothing_fit
   over = dict(ring=dict(dispatcher="ring_expert", plan=dataclasses.replace(small, fits=False), not_fitting=None))
   assert plan_search.render(over).splitlines()[-1].startswith("ring: the run's shape does not fit under any remat "
                                                               "plan; lower batch_size (or raise micro_batches)")
+
+
+def test_a_frugal_plan_shortens_the_spans_of_layers_that_have_them(monkeypatch):
+  """Qwen3.5's layers run long rows in spans (`runtime.sequence_span_tokens`): where even the most frugal plan does
+  not fit, the planner shortens them (FRUGAL_SPAN_TOKENS) as it caps the ring's chunks, and the plan says so. The
+  step's bytes here are a stand-in that only spans of 16 bring under the budget."""
+  monkeypatch.setattr(planning, "FRUGAL_SPAN_TOKENS", 16)
+  qwen35 = load_run_config("cpu", [*OVERRIDES, "model=qwen3.5-tiny", "seq_len=64", "runtime.sequence_span_tokens=32"])
+  caps = lambda run: planning.caps_spans(run, model_config_for(run), build_mesh(run.mesh))
+  assert caps(qwen35)
+  assert not caps(with_runtime(qwen35, sequence_span_tokens=0))  # whole rows, as asked
+  assert not caps(with_runtime(qwen35, sequence_span_tokens=16))  # already as short
+  assert not caps(dataclasses.replace(qwen35, seq_len=16))  # one span anyway
+  assert not caps(dataclasses.replace(BASE, seq_len=64))  # Qwen3's layers have no spans
+
+  bytes_of = {"layer": 50, "attention": 60, "none": 70}
+  compiled = []
+
+  def step_bytes(run_config, step=None):
+    remat = run_config.runtime.remat
+    total = sum(bytes_of[p] for p in ((remat,) if isinstance(remat, str) else remat)) // (
+        1 if isinstance(remat, str) else len(remat))
+    total += 100 * (run_config.runtime.sequence_span_tokens != 16)
+    compiled.append(run_config.runtime.sequence_span_tokens)
+    return dict(total_bytes=total, temp_bytes=total, state_bytes=0, compile_s=0.0)
+
+  monkeypatch.setattr(planning, "compile_step", lambda run_config, *args, **kwargs: run_config)
+  monkeypatch.setattr(planning, "memory_plan", step_bytes)
+  plan = new_planner(qwen35, 100).plan()
+  assert plan.fits and plan.sequence_span_tokens == 16 and "spans of 16" in plan.summary(), plan
+  assert compiled[0] == 32 and 16 in compiled
+  assert planning.apply_plan(qwen35, plan).runtime.sequence_span_tokens == 16
+  assert plan_from_dict(json.loads(json.dumps(plan.as_dict())), len(plan.remat)).sequence_span_tokens == 16

@@ -24,6 +24,8 @@ import os
 
 import jax
 
+from models import families
+from models.spans import Spans
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.ring.chunks import default_chunk_rows
 from relaymoe_jax.errors import UserError
@@ -40,6 +42,10 @@ HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction, in practice (H100/H200
 # sequence; capped (the dispatcher's `max_chunk_rows`) they do not. On one H200 the 4-layer Qwen3-30B-A3B shape's
 # longest sequence went from 544768 to 999424 tokens (docs/memory.md).
 FRUGAL_CHUNK_ROWS = 131072
+# The layers' spans of the sequence when memory is short (`runtime.sequence_span_tokens`, by default 32768): the
+# spanned parts' temporaries are a span's. Qwen3.5-35B-A3B's 40 layers over 8 H200s fit 4,194,304 tokens at 16384,
+# not at 32768 (docs/memory.md).
+FRUGAL_SPAN_TOKENS = 16384
 RINGS = ("ring_expert", "ring_token", "auto")
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
 FRUGAL_FIRST = ("offload", "layer", "all_but_attention", "attention", "none")
@@ -74,21 +80,22 @@ def policies(devices=None):
                and (p != "all_but_attention" or gpu))
 
 
-def with_remat(run_config, remat, max_chunk_rows=None, keep_gate_up=False):
+def with_remat(run_config, remat, max_chunk_rows=None, keep_gate_up=False, span_tokens=None):
   """The run with every layer's policy set (a name for all layers, or one per layer) and, if given, the ring's
-  chunks capped and its gate/up projections kept for the backward."""
+  chunks capped, its gate/up projections kept for the backward and the layers' spans of the sequence set."""
   runtime = run_config.runtime
   ring = {**({"max_chunk_rows": max_chunk_rows} if max_chunk_rows else {}),
           **({"keep_gate_up": True} if keep_gate_up else {})}
   options = {**dict(runtime.dispatcher_options), **ring}
+  spans = {"sequence_span_tokens": span_tokens} if span_tokens else {}
   return dataclasses.replace(run_config, runtime=dataclasses.replace(runtime, remat=remat,
-                                                                     dispatcher_options=options))
+                                                                     dispatcher_options=options, **spans))
 
 
 def apply_plan(run_config, plan):
-  """The run as `plan` says: its per-layer policies and, where it chose them, the ring's chunk cap and kept
-  gate/up projections."""
-  return with_remat(run_config, plan.remat, plan.max_chunk_rows, plan.keep_gate_up)
+  """The run as `plan` says: its per-layer policies and, where it chose them, the ring's chunk cap, kept gate/up
+  projections and shorter spans."""
+  return with_remat(run_config, plan.remat, plan.max_chunk_rows, plan.keep_gate_up, plan.sequence_span_tokens)
 
 
 def keeps_gate_up(run_config):
@@ -112,6 +119,15 @@ def caps_chunks(run_config, model_config, mesh):
   return ladder(FRUGAL_CHUNK_ROWS) != ladder()
 
 
+def caps_spans(run_config, model_config, mesh):
+  """Whether FRUGAL_SPAN_TOKENS would shorten this run's spans of the sequence: a model whose layers run in spans,
+  rows (under context parallelism, chunks) whose spans are longer than it, and spans not turned off (0)."""
+  runtime = run_config.runtime
+  if not (families.of(model_config).spans and runtime.sequence_span_tokens):
+    return False
+  return Spans.of_run(run_config.seq_len, runtime, mesh).length > FRUGAL_SPAN_TOKENS
+
+
 class Planner:
   """Compiles train steps of one run config (and variations of it: shapes, remat, ring options; never the model or
   the mesh) and remembers what each needed. `model_config`, `mesh`: the run's, resolved once (`train.run.Run`)."""
@@ -132,7 +148,7 @@ class Planner:
     self.compiles = []
     self._measured = {}
     self._steps = {}
-    self.cap = False  # plans cap the ring's chunks (where that shrinks them: `caps_chunks`)
+    self.cap = False  # plans cap the ring's chunks and shorten spans (where that shrinks them: `caps_chunks`, ...)
 
   def measure(self, remat, keep_gate_up=False, to_run=False, **changes):
     """memory_plan of the run with `remat` (and the ring keeping gate/up, if asked) and the given RunConfig changes
@@ -141,15 +157,16 @@ class Planner:
     key = self._key(remat, changes, keep_gate_up)
     if key in self._measured:
       return self._measured[key]
-    cap = self._chunk_cap(changes)
-    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up)
+    cap, spans = self._chunk_cap(changes), self._span_cap(changes)
+    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up, spans)
     step = compile_step(config, self.devices, memory_only=not to_run, model_config=self.model_config,
                         mesh=self.mesh)
     if self.keep_steps and (to_run or memory_only_options(self.devices) is None):
       self._steps[key] = step
     plan = self._measured[key] = memory_plan(config, step)
     what = dict(changes, remat=_compact((remat,) if isinstance(remat, str) else remat),
-                **({"max_chunk_rows": cap} if cap else {}), **({"keep_gate_up": True} if keep_gate_up else {}))
+                **({"max_chunk_rows": cap} if cap else {}), **({"keep_gate_up": True} if keep_gate_up else {}),
+                **({"sequence_span_tokens": spans} if spans else {}))
     self.compiles.append((what, plan["total_bytes"]))
     self.log(f"  compiled {what}: {size(plan['total_bytes'])} per device (budget "
              f"{size(self.budget_bytes)}) in {plan['compile_s']:.0f} s")
@@ -162,18 +179,27 @@ class Planner:
   def _key(self, remat, changes, keep_gate_up=False):
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     return str(sorted(dict(changes, remat=remat if len(set(remat)) > 1 else remat[:1],
-                           max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up).items()))
+                           max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up,
+                           sequence_span_tokens=self._span_cap(changes)).items()))
 
   def _chunk_cap(self, changes):
     run = dataclasses.replace(self.run_config, **changes)
     return FRUGAL_CHUNK_ROWS if self.cap and caps_chunks(run, self.model_config, self.mesh) else None
 
+  def _span_cap(self, changes):
+    run = dataclasses.replace(self.run_config, **changes)
+    return FRUGAL_SPAN_TOKENS if self.cap and caps_spans(run, self.model_config, self.mesh) else None
+
   def cap_chunks(self, **changes):
-    """From now on, plan with the ring's chunks capped; False where that changes nothing for this run."""
-    if self.cap or not caps_chunks(dataclasses.replace(self.run_config, **changes), self.model_config, self.mesh):
+    """From now on, plan with the ring's chunks capped and the spans shortened; False where that changes nothing for
+    this run."""
+    run = dataclasses.replace(self.run_config, **changes)
+    what = ([f"capping the ring's chunks at {FRUGAL_CHUNK_ROWS} rows"] * caps_chunks(run, self.model_config, self.mesh)
+            + [f"spans of {FRUGAL_SPAN_TOKENS} positions"] * caps_spans(run, self.model_config, self.mesh))
+    if self.cap or not what:
       return False
     self.cap = True
-    self.log(f"  the most frugal plan does not fit: capping the ring's chunks at {FRUGAL_CHUNK_ROWS} rows")
+    self.log(f"  the most frugal plan does not fit: {', '.join(what)}")
     return True
 
   def fits(self, plan):
@@ -297,7 +323,8 @@ class Planner:
     return Plan(remat=tuple(remat), batch_size=run.batch_size, micro_batches=run.micro_batches, seq_len=run.seq_len,
                 state_bytes=plan["state_bytes"], temp_bytes=plan["temp_bytes"], total_bytes=plan["total_bytes"],
                 budget_bytes=self.budget_bytes, fits=self.fits(plan), compiles=list(self.compiles),
-                max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up)
+                max_chunk_rows=self._chunk_cap(changes), keep_gate_up=keep_gate_up,
+                sequence_span_tokens=self._span_cap(changes))
 
   def maximize(self, key, granule, upgrade=True):
     """The largest `key` (seq_len or batch_size, a multiple of `granule`) whose most frugal step fits, and its
@@ -306,7 +333,7 @@ class Planner:
     bytes-against-size curve until the bracket is one step wide: a granule, or 1/32 of the size when that is more.
     Returns (plan or None, the smallest size found not to fit)."""
     frugal = policies(self.devices)[0]
-    self.cap = True  # the longest sequence needs the ring's most frugal chunks too
+    self.cap = True  # the longest sequence needs the ring's most frugal chunks and spans too
     sizes = {}
 
     def fits_at(n):

@@ -31,12 +31,14 @@ class Plan:
   keep_gate_up: bool = False  # the expert ring keeps its gate/up projections for the backward
   micro_batches: int = 1  # gradient accumulation: batch_size / micro_batches sequences at a time
   loss_chunk_tokens: int | None = None  # `loss_chunk_tokens: auto`'s choice (`train.plan.loss_chunk`), once searched
+  sequence_span_tokens: int | None = None  # FRUGAL_SPAN_TOKENS where the plan shortens the layers' spans
 
   def summary(self):
     counts = {p: self.remat.count(p) for p in dict.fromkeys(self.remat)}
     chunks = f", ring chunks ≤ {self.max_chunk_rows} rows" if self.max_chunk_rows else ""
     kept = ", ring keeps gate/up" if self.keep_gate_up else ""
-    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks + kept
+    spans = f", spans of {self.sequence_span_tokens}" if self.sequence_span_tokens else ""
+    return ", ".join(f"{n} × {p}" for p, n in counts.items()) + chunks + kept + spans
 
   def as_dict(self):
     return dict(dataclasses.asdict(self), summary=self.summary())
@@ -111,7 +113,7 @@ def plan_from_dict(fields, num_layers):
   compiles = fields.get("compiles", [])
   wrong = [k for k in COUNTS if not _is_count(fields[k])]
   wrong += [k for k in ("fits", "keep_gate_up") if not isinstance(fields.get(k, False), bool)]
-  wrong += [k for k in ("max_chunk_rows", "loss_chunk_tokens")
+  wrong += [k for k in ("max_chunk_rows", "loss_chunk_tokens", "sequence_span_tokens")
             if fields.get(k) is not None and not _is_count(fields[k])]
   wrong += [] if isinstance(compiles, list) and all(
       isinstance(c, list) and len(c) == 2 and isinstance(c[0], dict) and (c[1] is None or _is_count(c[1]))
