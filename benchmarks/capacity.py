@@ -27,7 +27,6 @@ import sys
 import time
 
 from benchmarks import harness
-from train.config import load_run_config
 
 VARIANTS = ("ring", "a2a_dropless", "a2a_cf1")
 # A confirming step that has not finished by then is reported so. It compiles afresh (no persistent cache), then
@@ -139,9 +138,11 @@ def confirm(config, layers, results, work, overrides=()):
     print(f"  {variant} at {seq}: {found['above_limit' if lift else 'at_limit']}", flush=True)
 
 
-def describe(loss_head=False, topology=None, target_config=None):
-  """`benchmarks.capacity_worker` in a child: {"machine": …} and, with `loss_head`, the loss-head table's row."""
-  cmd = [sys.executable, "-m", "benchmarks.capacity_worker", *(["--loss-head"] if loss_head else []),
+def describe(config, loss_head=False, topology=None, target_config=None):
+  """`benchmarks.capacity_worker` in a child: {"machine": …, "model": …} and, with `loss_head`, the loss-head table's
+  row."""
+  cmd = [sys.executable, "-m", "benchmarks.capacity_worker", "--config", config,
+         *(["--loss-head"] if loss_head else []),
          *(["--topology", topology] if topology else []),
          *(["--target-config", target_config] if target_config else [])]
   return harness.json_child(cmd, _env())
@@ -300,9 +301,9 @@ def main(argv=None):
     return merge(args.merge, args.out)
   variants = args.variants.split(",")
   # The machine (and, alone, the loss head) from a JAX child, which holds no GPU memory once it has answered.
-  info = describe(args.loss_head_only, args.topology, args.target_config)
+  info = describe(args.config, args.loss_head_only, args.topology, args.target_config)
   data = dict(command=harness.command_line("capacity", argv), machine=info["machine"], settings=[],
-              model=load_run_config(args.config).model,
+              model=info["model"],
               context_parallel=args.context_parallel)
   if args.loss_head_only:
     data["loss_head"] = info["loss_head"]
@@ -342,7 +343,7 @@ def main(argv=None):
     data["settings"].append(setting)
     write(data, args.out)
   if not args.no_loss_head:
-    data["loss_head"] = describe(True, args.topology, args.target_config)["loss_head"]
+    data["loss_head"] = describe(args.config, True, args.topology, args.target_config)["loss_head"]
   write(data, args.out)
 
 

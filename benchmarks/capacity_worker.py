@@ -1,9 +1,10 @@
 """The JAX side of `benchmarks.capacity`: the machine, and the loss head's compiled temporaries.
 
-    python -m benchmarks.capacity_worker [--loss-head] [--topology 1x1x8 --target-config FILE]
+    python -m benchmarks.capacity_worker [--config ep8] [--loss-head] [--topology 1x1x8 --target-config FILE]
 
-Prints one JSON line: {"machine": …} and, with --loss-head, "loss_head": `loss_head` on this machine's first
-device, else (with --topology and no GPU here) compiled for one GPU of the topology's kind.
+Prints one JSON line: {"machine": …, "model": the run config's model} and, with --loss-head, "loss_head":
+`loss_head` on this machine's first device, else (with --topology and no GPU here) compiled for one GPU of the
+topology's kind.
 """
 
 import argparse
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import harness
 from models.loss import chunked_cross_entropy, mean_cross_entropy
+from train.config import load_run_config
 from train.plan.search import topology_devices
 
 
@@ -74,11 +76,12 @@ def loss_head_here(topology=None, target_config=None):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="ep8")
   parser.add_argument("--loss-head", action="store_true")
   parser.add_argument("--topology")
   parser.add_argument("--target-config")
   args = parser.parse_args(argv)
-  result = dict(machine=harness.machine(jax))
+  result = dict(machine=harness.machine(jax), model=load_run_config(args.config).model)
   if args.loss_head:
     result["loss_head"] = loss_head_here(args.topology, args.target_config)
   print(json.dumps(result), flush=True)

@@ -17,6 +17,7 @@ from models import families
 from models.attention.context_parallel import to_held_order, to_sequence_order
 from models.attention.gated_delta import gated_delta_rule
 from models.attention.gated_delta_context import context_gated_delta_rule, preceding_rows
+from models.qwen35.deltanet import GatedDeltaNet
 from models.runtime import RuntimeConfig
 from relaymoe_jax.errors import UserError
 
@@ -66,6 +67,15 @@ def _params(grads):
   return jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
+def _assert_gradients_close(actual, expected):
+  """Every parameter's gradient within RTOL of the largest one: the decay's parameters (a_log, dt_bias, in_a) have
+  gradients a thousandth of the others', sums of cancelling terms that two chunkings round apart."""
+  scale = max(np.abs(x).max() for x in jax.tree.leaves(expected))
+  for path, value in jax.tree_util.tree_leaves_with_path(expected):
+    got = functools.reduce(lambda tree, key: tree[key.key], path, actual)
+    assert np.abs(got - value).max() <= RTOL * scale, (jax.tree_util.keystr(path), np.abs(got - value).max(), scale)
+
+
 @pytest.mark.slow  # ~14 s: the gradients' test below runs the same forward through the loss in the default run
 @pytest.mark.parametrize("segment_ids", [None, SEGMENTS], ids=["one-document", "documents"])
 def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
@@ -80,12 +90,10 @@ def test_context_parallel_deltanet_gives_the_same_logits(segment_ids):
 SPANS = 3
 
 
-# The layer at once under context parallelism is `context_gated_delta_rule` (tested alone below, one document and
-# documents) between the same projections, conv history and output as in spans: its model-level cases (~35 s each on
-# 2 cores) run in CI's slow step.
-@pytest.mark.parametrize("segment_ids,span_tokens", [pytest.param(None, 0, marks=pytest.mark.slow),
-                                                     pytest.param(SEGMENTS, 0, marks=pytest.mark.slow),
-                                                     (SEGMENTS, SPANS)],
+# The model-level cases (~35-45 s each on 2 cores) run in CI's slow step; the default run checks the DeltaNet layer
+# alone below, at once and in spans, and the rule alone.
+@pytest.mark.slow
+@pytest.mark.parametrize("segment_ids,span_tokens", [(None, 0), (SEGMENTS, 0), (SEGMENTS, SPANS)],
                          ids=["one-document", "documents", "documents-spans"])
 def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids, span_tokens):
   """Every parameter's gradient within RTOL of the largest gradient (0.02): the decay's parameters in the first layer
@@ -96,16 +104,56 @@ def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids, span_to
   loss, grads = _loss_and_grads(plain, tokens, labels, segment_ids)
   split_loss, split_grads = _loss_and_grads(split, tokens, labels, segment_ids)
   np.testing.assert_allclose(float(split_loss), float(loss), rtol=RTOL)
-  expected, actual = _params(grads), _params(split_grads)
-  scale = max(np.abs(x).max() for x in jax.tree.leaves(expected))
-  for path, value in jax.tree_util.tree_leaves_with_path(expected):
-    got = functools.reduce(lambda tree, key: tree[key.key], path, actual)
-    assert np.abs(got - value).max() <= RTOL * scale, jax.tree_util.keystr(path)
+  _assert_gradients_close(_params(split_grads), _params(grads))
 
 
 @pytest.mark.parametrize("segment_ids,state_kernel", [(None, "xla"), (SEGMENTS[:2], "xla"),
                                                       pytest.param(SEGMENTS[:2], "pallas", marks=pytest.mark.slow)],
                          ids=["one-document", "documents", "documents-pallas"])
+@functools.cache
+def _layers(span_tokens):
+  """(without, with context parallelism): one Gated DeltaNet layer of `qwen3.5-tiny`, the same parameters; the second
+  in spans of `span_tokens` (0: whole chunks)."""
+  config, mesh = families.load_config("qwen3.5-tiny"), trainer_mesh()
+  runtime = dict(dtype="float32", dispatcher="dense")
+  plain = GatedDeltaNet(config, RuntimeConfig(**runtime, sequence_span_tokens=0), mesh, nnx.Rngs(0))
+  # Decays near 0.97 a token (initialised, 0.3 to 1e-8): the state carried across spans and chunks shows.
+  plain.a_log_Q[...] = jnp.full(plain.a_log_Q.shape, np.log(0.03))
+  split = GatedDeltaNet(config, RuntimeConfig(**runtime, context_parallel=True, sequence_span_tokens=span_tokens), mesh,
+                        nnx.Rngs(1))
+  nnx.update(split, nnx.state(plain, nnx.Param))
+  return plain, split
+
+
+@nnx.jit(static_argnums=4)
+def _layer_loss_and_grads(layer, x_BSD, w_BSD, segment_ids, ring):
+  """sum(layer(x) · w) and its gradients for the layer's parameters and x; `ring` > 1: x and the segment ids enter
+  in held order over that many devices and the output leaves in sequence order, as the model does it."""
+  held = (lambda x: x) if ring == 1 else (lambda x: to_held_order(x, ring))
+  back = (lambda x: x) if ring == 1 else (lambda x: to_sequence_order(x, ring))
+
+  def loss(layer, x_BSD):
+    return jnp.sum(back(layer(held(x_BSD), None, held(segment_ids))) * w_BSD)
+
+  return nnx.value_and_grad(loss, argnums=(0, 1))(layer, x_BSD)
+
+
+@pytest.mark.parametrize("span_tokens", [0, SPANS], ids=["whole", "spans"])
+def test_the_context_parallel_deltanet_layer_is_the_whole_sequences(span_tokens):
+  """One layer on random inputs with documents (SEGMENTS): output and the gradients of every parameter and of the
+  input, each within RTOL of its largest entry, context-parallel (at once, and in spans: the conv's history and the
+  state carried across spans and chunks, a first scan for the chunks' maps) against the plain layer."""
+  plain, split = _layers(span_tokens)
+  rng = np.random.default_rng(2)
+  x, w = (jnp.asarray(rng.normal(size=(ROWS, LENGTH, plain.in_qkv_DC.shape[0])), jnp.float32) for _ in range(2))
+  segment_ids = jnp.asarray(SEGMENTS)
+  expected = _layer_loss_and_grads(plain, x, w, segment_ids, 1)
+  actual = _layer_loss_and_grads(split, x, w, segment_ids, trainer_mesh().shape["expert"])
+  (loss, (grads, dx)), (split_loss, (split_grads, split_dx)) = expected, actual
+  assert_close((split_loss, split_dx), (loss, dx), RTOL, "output and input gradient")
+  _assert_gradients_close(_params(split_grads), _params(grads))
+
+
 def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids, state_kernel):
   """The rule alone on random inputs (decays up to 0.5 a token, so the passed state matters): output and every
   input's gradient, each within RTOL of its largest entry; with the Pallas state kernels too (what GPUs run)."""
