@@ -1,7 +1,7 @@
 """Context parallelism for Gated DeltaNet layers: one sequence spread over the mesh's 'expert' axis, by state passing.
 
 Layout: as `models.attention.context_parallel` (device i of the N on 'expert' holds sequence chunks i and 2N−1−i of
-C tokens each, "held order"; rows over 'data'). Two pieces, each one `jax.shard_map`:
+C tokens each, "held order"; rows over 'data'). Each piece is one `jax.shard_map`:
 
 - `preceding_rows`: the depthwise causal conv of window W needs the W − 1 tokens before each chunk. Every
   device all-gathers the last W − 1 rows (and segment ids) of its two chunks over 'expert' (2N × (W − 1) rows of
@@ -12,6 +12,8 @@ C tokens each, "held order"; rows over 'data'). Two pieces, each one `jax.shard_
   devices). It reorders them into sequence order, prefix-combines them (`combine_transitions`; a document starting
   exactly at a chunk edge resets the state) and reruns the chunked rule on each of its chunks from that chunk's
   initial state. The chunks' first and last segment ids are gathered with the maps (4 integers per row per device).
+- `entering_states`: the same gather and prefix-combine from maps the caller computed (the DeltaNet layer in spans
+  carries each chunk's map through a scan over its spans, `models.qwen35.deltanet`).
 
 Backward: autodiff through the all-gathers (their transpose is a reduce-scatter: each device gets the gradients
 of its own halo rows and maps summed over the devices that read them).
