@@ -107,9 +107,6 @@ def test_context_parallel_deltanet_gives_the_same_gradients(segment_ids, span_to
   _assert_gradients_close(_params(split_grads), _params(grads))
 
 
-@pytest.mark.parametrize("segment_ids,state_kernel", [(None, "xla"), (SEGMENTS[:2], "xla"),
-                                                      pytest.param(SEGMENTS[:2], "pallas", marks=pytest.mark.slow)],
-                         ids=["one-document", "documents", "documents-pallas"])
 @functools.cache
 def _layers(span_tokens):
   """(without, with context parallelism): one Gated DeltaNet layer of `qwen3.5-tiny`, the same parameters; the second
@@ -154,6 +151,9 @@ def test_the_context_parallel_deltanet_layer_is_the_whole_sequences(span_tokens)
   _assert_gradients_close(_params(split_grads), _params(grads))
 
 
+@pytest.mark.parametrize("segment_ids,state_kernel", [(None, "xla"), (SEGMENTS[:2], "xla"),
+                                                      pytest.param(SEGMENTS[:2], "pallas", marks=pytest.mark.slow)],
+                         ids=["one-document", "documents", "documents-pallas"])
 def test_context_gated_delta_rule_matches_the_whole_sequence(segment_ids, state_kernel):
   """The rule alone on random inputs (decays up to 0.5 a token, so the passed state matters): output and every
   input's gradient, each within RTOL of its largest entry; with the Pallas state kernels too (what GPUs run)."""
