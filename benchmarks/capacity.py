@@ -90,7 +90,8 @@ def train_command(config, layers, found, seq_len, work, lift_fit_check, override
          f"model.num_hidden_layers={layers}", f"seq_len={seq_len}", f"batch_size={plan['batch_size']}",
          f"runtime.dispatcher={found['dispatcher']}", f"runtime.dispatcher_options={options}",
          f"runtime.remat={remat}",
-         *([f"runtime.sequence_span_tokens={plan['sequence_span_tokens']}"] if plan.get("sequence_span_tokens") else []),
+         *([f"runtime.sequence_span_tokens={plan['sequence_span_tokens']}"]
+           if plan.get("sequence_span_tokens") else []),
          "checkpoint_every=0", "log_every=1", "tensorboard=false", "compilation_cache_dir=''", *overrides,
          *(["device_memory_gib=100000"] if lift_fit_check else [])]
   return cmd

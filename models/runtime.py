@@ -49,10 +49,10 @@ class RuntimeConfig:
   # Split each sequence over 'expert' (batch rows over 'data' only) in load-balanced causal order; attention
   # gathers K and V across the shards (`models.attention.context_parallel`). seq_len must divide by 2 × expert.
   context_parallel: bool = False
-  # Positions of a row (under context parallelism, of a chunk) a Gated DeltaNet layer works on at once: a longer one
-  # runs its projections, conv, delta rule and output norm as scans over spans of about this many, each span's
-  # temporaries live in turn, not the row's (backward recomputes a span at a time: more compute, far less memory;
-  # `models.qwen35.deltanet`). 0: whole rows.
+  # Positions of a row (under context parallelism, of a chunk) Qwen3.5's layers work on at once: a longer one runs
+  # as a scan over spans of about this many (the Gated DeltaNet layer whole, the gated attention's output projection),
+  # each span's temporaries live in turn, not the row's (backward recomputes a span at a time: more compute, far less
+  # memory; `models.spans`). 0: whole rows. The planner shortens it where nothing else fits.
   sequence_span_tokens: int = SPAN_TOKENS
   # Run each stretch of consecutive layers of one kind as one `lax.scan` over parameters stacked on a leading
   # axis: one layer is traced and compiled whatever the depth (a ring layer takes about a minute to compile on a

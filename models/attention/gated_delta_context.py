@@ -99,14 +99,23 @@ def _initial_states(ms_2B, bs_2B, seg_2BC, ring):
   return _own_chunks(states_PB, ring)
 
 
-def on_row_shards(rule, q, k, v, g, beta, *, mesh, axes, segment_ids=None):
-  """`rule` (`gated_delta_rule` with its Pallas kernels, which XLA cannot partition) on each device's own rows: a
-  shard_map over the mesh `axes` that split the batch. Returns (o, None), as `gated_delta_rule`."""
-  spec = P(axes)
-  local = lambda q, k, v, g, beta, seg_BS: rule(q, k, v, g, beta, segment_ids=seg_BS)[0]
-  specs = (spec,) * 5 + (None if segment_ids is None else spec,)
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(
-      q, k, v, g, beta, segment_ids), None
+def on_row_shards(rule, q, k, v, g, beta, *, mesh, spec, segment_ids=None, initial_state=None,
+                  output_final_state=False, check_vma=False):
+  """`rule` (`gated_delta_rule`; with its Pallas kernels, which XLA cannot partition) on each device's own rows: a
+  shard_map splitting the leading dims as `spec` says ([B] rows, or [B, N] rows of chunks, merged into one batch on
+  the device). Returns (o, final state or None), as `gated_delta_rule`. A Pallas call needs `check_vma` off."""
+  lead = len(spec)
+
+  def local(q, k, v, g, beta, seg, state):
+    rows = lambda x: None if x is None else x.reshape(-1, *x.shape[lead:])
+    o, final = rule(*map(rows, (q, k, v, g, beta)), segment_ids=rows(seg), initial_state=rows(state),
+                    output_final_state=output_final_state)
+    unrows = lambda x: None if x is None else x.reshape(*v.shape[:lead], *x.shape[1:])
+    return unrows(o), unrows(final)
+
+  specs = (spec,) * 5 + tuple(None if x is None else spec for x in (segment_ids, initial_state))
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(spec, spec), check_vma=check_vma)(
+      q, k, v, g, beta, segment_ids, initial_state)
 
 
 def entering_states(finals_BNHKW, *, mesh, segment_ids_BS=None):

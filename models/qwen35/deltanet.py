@@ -73,16 +73,17 @@ def delta_state_kernel(runtime, platform):
 
 
 def delta_rule(runtime, mesh):
-  """The gated delta rule as `runtime` runs it on `mesh`: split over sequences (context parallelism: state passing),
-  or the Pallas kernels on each device's rows (XLA cannot partition them), or XLA's form on the whole batch."""
+  """The gated delta rule on whole rows (the layer has cut long ones into spans already) as `runtime` runs it on
+  `mesh`: split over sequences (context parallelism: state passing), or the Pallas kernels on each device's rows (XLA
+  cannot partition them), or XLA's form on the whole batch."""
   kernel = delta_state_kernel(runtime, mesh.devices.flat[0].platform)
-  rule = dict(state_kernel=kernel, span_tokens=runtime.sequence_span_tokens or None)
+  rule = dict(state_kernel=kernel, span_tokens=None)
   if splits_sequences(runtime, mesh):
     return functools.partial(context_gated_delta_rule, mesh=mesh, **rule)
   if kernel == "xla":
     return functools.partial(gated_delta_rule, **rule)
   return functools.partial(on_row_shards, functools.partial(gated_delta_rule, **rule), mesh=mesh,
-                           axes=batch_axes(runtime))
+                           spec=P(batch_axes(runtime)))
 
 
 class GatedDeltaNet(qwen3.Layer):
@@ -158,21 +159,13 @@ class GatedDeltaNet(qwen3.Layer):
     return (history, state_BNQXW), (None if transition else self._output(w, x_BNTD, o_BNTQX))
 
   def _span_rule(self, q, k, v, g, beta, seg_BNT, state_BNQXW):
-    """The rule on [B, N, T, ...] from and to a state, each device's rows of chunks in a shard_map (its Pallas
-    kernels cannot be partitioned by XLA, and XLA would merge B and N by moving rows)."""
+    """The rule on [B, N, T, ...] from and to a state, on each device's rows of chunks (its Pallas kernels cannot be
+    partitioned by XLA, and XLA would merge B and N by moving rows)."""
     kernel = delta_state_kernel(self.runtime, self.mesh.devices.flat[0].platform)
-    spec = P(DATA, EXPERT) if splits_sequences(self.runtime, self.mesh) else P(batch_axes(self.runtime))
-
-    def local(q, k, v, g, beta, seg_BNT, state_BNQXW):
-      rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
-      o, state = gated_delta_rule(*map(rows, (q, k, v, g, beta)), segment_ids=rows(seg_BNT),
-                                  initial_state=rows(state_BNQXW), output_final_state=True, state_kernel=kernel,
-                                  span_tokens=None)
-      return o.reshape(*v.shape[:-1], o.shape[-1]), state.reshape(state_BNQXW.shape)
-
-    specs = (spec,) * 5 + (None if seg_BNT is None else spec, spec)
-    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(spec, spec), check_vma=kernel == "xla")(
-        q, k, v, g, beta, seg_BNT, state_BNQXW)
+    spec = P(DATA, EXPERT) if splits_sequences(self.runtime, self.mesh) else P(batch_axes(self.runtime), None)
+    rule = functools.partial(gated_delta_rule, state_kernel=kernel, span_tokens=None)
+    return on_row_shards(rule, q, k, v, g, beta, mesh=self.mesh, spec=spec, segment_ids=seg_BNT,
+                         initial_state=state_BNQXW, output_final_state=True, check_vma=kernel == "xla")
 
   def _weights(self, spans):
     """The weights in the compute dtype; before scans over spans, whole on every device (FSDP gathers them once,

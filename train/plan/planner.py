@@ -190,7 +190,7 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     return FRUGAL_SPAN_TOKENS if self.cap and caps_spans(run, self.model_config, self.mesh) else None
 
-  def cap_chunks(self, **changes):
+  def cap_working_set(self, **changes):
     """From now on, plan with the ring's chunks capped and the spans shortened; False where that changes nothing for
     this run."""
     run = dataclasses.replace(self.run_config, **changes)
@@ -262,9 +262,9 @@ class Planner:
       remat = _step_back(remat, choices)
 
   def _not_fitting(self, frugal, measured, changes):
-    """Where even `frugal` in every layer (its step `measured`) does not fit: the plan with the ring's chunks
-    capped, where that shrinks them, else that step marked not fitting."""
-    if self.cap_chunks(**changes):
+    """Where even `frugal` in every layer (its step `measured`) does not fit: the plan with the ring's chunks capped
+    and the spans shortened, where that shrinks them, else that step marked not fitting."""
+    if self.cap_working_set(**changes):
       return self.plan(**changes)
     return self._result((frugal,) * self.layers, measured, changes)
 
