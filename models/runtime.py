@@ -20,6 +20,7 @@ from relaymoe_jax.errors import UserError
 REMAT_POLICIES = ("none", "attention", "all_but_attention", "layer", "offload")
 REMAT_AUTO = "auto"  # a run's request for the planner (`train.plan.planner`), resolved before the model is built
 LOSS_CHUNK_AUTO = "auto"  # the trainer's choice (`train.plan.loss_chunk`); elsewhere the default below
+DOCUMENTS_AUTO = "auto"  # the trainer's choice from the data (`train.run.resolve_documents`); elsewhere DOCUMENTS_PER_ROW
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # of the parameters and of the compute
 
@@ -40,8 +41,10 @@ class RuntimeConfig:
   # "auto": cuDNN flash attention on GPUs for bf16/f16 (625 TFLOP/s on H200 against 39 for XLA's), else XLA.
   attention_implementation: str = "auto"
   # M, the most packed documents a row holds in cuDNN's packed layout (Hopper GPUs, without context parallelism):
-  # its backward takes temporaries for M slots a row; a call with a fuller row is not packed (`cudnn_documents`).
-  documents_per_row: int = DOCUMENTS_PER_ROW
+  # its backward takes temporaries for M slots a row; a call with a fuller row takes the tile loop
+  # (`cudnn_documents`). "auto": the trainer takes the most documents a row of the data holds, within one row's
+  # temporaries budget (`packed_bound`); a model built with "auto" uses DOCUMENTS_PER_ROW.
+  documents_per_row: int | str = DOCUMENTS_AUTO
   # Split the parameters outside the experts (attention, embeddings, dense and shared MLPs) over ('data',
   # 'expert'), every device they would otherwise be replicated on (ZeRO-3); experts are split over 'expert' anyway.
   fsdp: bool = False
@@ -76,8 +79,10 @@ class RuntimeConfig:
                       f"{LOSS_CHUNK_AUTO!r}")
     if self.attention_implementation not in ("auto", "xla", "cudnn"):
       raise UserError(f"attention_implementation={self.attention_implementation!r} must be auto, xla or cudnn")
-    if not (isinstance(self.documents_per_row, int) and self.documents_per_row >= 2):
-      raise UserError(f"documents_per_row={self.documents_per_row!r} must be an integer ≥ 2 (cuDNN's packed layout)")
+    if self.documents_per_row != DOCUMENTS_AUTO and not (isinstance(self.documents_per_row, int)
+                                                          and self.documents_per_row >= 2):
+      raise UserError(f"documents_per_row={self.documents_per_row!r} must be an integer ≥ 2 (cuDNN's packed layout) "
+                      f"or {DOCUMENTS_AUTO!r}")
     if not (isinstance(self.sequence_span_tokens, int) and self.sequence_span_tokens >= 0):
       raise UserError(f"sequence_span_tokens={self.sequence_span_tokens!r} must be an integer ≥ 0 (0: whole rows)")
     if self.dtype not in FLOAT_DTYPES:
@@ -86,6 +91,10 @@ class RuntimeConfig:
   def loss_chunk(self):
     """Tokens per device per chunk of the loss head (0: the plain loss), with "auto" not resolved: the default."""
     return DEFAULT_LOSS_CHUNK_TOKENS if self.loss_chunk_tokens == LOSS_CHUNK_AUTO else self.loss_chunk_tokens
+
+  def packed_documents(self):
+    """M of cuDNN's packed layout, with "auto" not resolved: DOCUMENTS_PER_ROW."""
+    return DOCUMENTS_PER_ROW if self.documents_per_row == DOCUMENTS_AUTO else self.documents_per_row
 
   def remat_of(self, layer):
     return self.remat if isinstance(self.remat, str) else self.remat[layer]

@@ -22,13 +22,14 @@ from models.qwen3 import model as qwen3
 from models.attention.causal import attention
 from models.attention.cudnn import CUDNN_TILES, tile_kernels
 from models.attention import cudnn_documents
-from models.attention.cudnn_documents import documents_attention, documents_attention_on, rows_per_call
+from models.attention.cudnn_documents import documents_attention, documents_attention_on, packed_bound, rows_per_call
 from models.attention.documents import packed_layout
 from models.attention.context_parallel import XLA_TILES, balanced_order, context_attention, skipped_tiles
 from models.qwen3.config import load_config
 from models.runtime import RuntimeConfig
 from train.config import DataConfig, EvalConfig, MeshConfig, RunConfig
-from train.data.batches import DataChanged, documents, make_sources, next_token_inputs
+from train import loop
+from train.data.batches import DataChanged, TokenWindows, documents, make_sources, next_token_inputs
 from train.loop import run
 from train.mesh import build_mesh
 
@@ -182,6 +183,53 @@ def test_the_runtime_sets_the_packed_bound(monkeypatch):
   assert seen == [32]
   with pytest.raises(ValueError, match="documents_per_row=1 must be an integer ≥ 2"):
     RuntimeConfig(documents_per_row=1)
+
+
+def _windows_of_3_5_and_1_documents(tmp_path):
+  """A token file of three windows of 16 inputs (EOS 0): 3, 5 and 1 documents in their inputs (an EOS at a window's
+  last input starts the next document after it: not in the window)."""
+  tokens = np.ones(3 * 16 + 1, np.uint16)
+  tokens[[3, 9]] = 0
+  tokens[[16 + 1, 16 + 4, 16 + 7, 16 + 10, 16 + 15]] = 0
+  tokens.tofile(tmp_path / "t.bin")
+  return DataConfig(kind="tokens", path=str(tmp_path / "t.bin"), eos_token=0)
+
+
+def test_the_data_sets_the_packed_bound_within_a_rows_temporaries(tmp_path, monkeypatch, capsys):
+  """`documents_per_row: auto` (the default): the trainer takes the most documents a row of the run's windows holds
+  (`most_documents`, read before the step is planned), at least 2, at most what one row's packed backward may take
+  (`packed_bound`); an explicit bound, unmasked documents and data without documents keep theirs.
+
+  Mutants that failed it: the window's last input counted; the windows not bounded by `windows`; the budget cap
+  dropped; `resolve_documents` not called before `resolve_step`."""
+  data = _windows_of_3_5_and_1_documents(tmp_path)
+  source = make_sources(data, EvalConfig(), 16, 16)[0]
+  assert source.most_documents(16) == 5 and source.most_documents(16, windows=1) == 3
+  assert source.most_documents(16, scan=32) == 5 and source.most_documents(16, scan=16) == 3
+  assert TokenWindows(np.ones(33, np.int32), 16).most_documents(16) is None  # no EOS id: no documents
+  assert packed_bound(5, 4096, 32, 128) == 5 and packed_bound(1, 4096, 32, 128) == 2
+  assert packed_bound(40, 4096, 32, 128) == 16 and packed_bound(80, 4096, 8, 128) == 64  # 2 GiB a row
+  assert packed_bound(28, 32768, 32, 128) == 2
+
+  class Planned(Exception):
+    pass
+
+  def resolve_step(resolved, resume):
+    raise Planned(resolved.run_config.runtime.documents_per_row)
+
+  monkeypatch.setattr(loop, "resolve_step", resolve_step)
+  base = RunConfig(model="tiny", mesh=MeshConfig(data=1, expert=-1), batch_size=1, seq_len=16, steps=3,
+                   out_dir=str(tmp_path / "run"), tensorboard=False, data=data)
+  for config, planned in ((base, 5), (dataclasses.replace(base, steps=1), 3),
+                          (dataclasses.replace(base, runtime=RuntimeConfig(documents_per_row=8)), 8),
+                          (dataclasses.replace(base, data=dataclasses.replace(data, document_masking=False)), "auto"),
+                          (dataclasses.replace(base, data=DataConfig()), "auto")):
+    with pytest.raises(Planned) as seen:
+      run(config, overwrite=True)
+    assert seen.value.args == (planned,)
+  assert "documents: at most 5 in a row of data.path" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="documents_per_row='some' must be an integer ≥ 2 .* or 'auto'"):
+    RuntimeConfig(documents_per_row="some")
 
 
 def test_a_call_over_the_packed_bound_takes_the_tile_loop(monkeypatch):

@@ -18,6 +18,7 @@ from models import families
 from relaymoe_jax.errors import UserError
 from train.data.batches import TokenWindows, batch, make_sources, next_token_inputs
 from train.mesh import check_batch_split, global_batch
+from train.run import resolve_documents
 from train.metrics import log_on_process_0
 from train.sources import initial_params
 
@@ -109,9 +110,10 @@ def evaluate_only(run):
   if not run_config.init_from:
     raise UserError("--eval-only evaluates the weights of init_from=hf:DIR or init_from=orbax:DIR (a relaymoe-convert "
                     "output or a relaymoe-train run directory); none given")
-  run_config = dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, remat="none"))
   _, source = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len,
                            held_out=True)
+  run_config = resolve_documents(run, source).run_config
+  run_config = dataclasses.replace(run_config, runtime=dataclasses.replace(run_config.runtime, remat="none"))
   check_held_out(run_config, source)
   check_batch_split(run_config, mesh)
   params, origin = initial_params(run_config.init_from, model_config, run_config.runtime, mesh)

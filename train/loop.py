@@ -25,7 +25,7 @@ from train.metrics import (LogWriteFailed, MetricsLog, host_scalars, log_on_proc
 from train.rundir.preempt import FAILED, NAMES, StopRequest, Stopped
 from train.profile.window import StepProfiler, check_window
 from train.rundir.directory import RunDirectory
-from train.run import resolve_run, resolve_step
+from train.run import resolve_documents, resolve_run, resolve_step
 from train.sources import initial_params
 from train.profile.step_parts import full_op_names
 from train.step import BAD_IDS, TrainState, make_optimizer, model_flops_per_token, non_finite_state
@@ -132,6 +132,7 @@ def _train(run_config, resume, checkpoints, stop, profile):
   source, held_out = make_sources(run_config.data, run_config.eval, model_config.vocab_size, run_config.seq_len)
   if held_out:
     check_held_out(run_config, held_out)
+  resolved = resolve_documents(resolved, source)
   stamp = data_stamp(run_config.data)
   with stop.at_once():  # a signal while the step is planned and compiled (minutes) stops the run there
     resolved = resolve_step(resolved, resume)

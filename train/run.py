@@ -8,6 +8,9 @@ import functools
 
 import jax
 
+from models.attention.cudnn_documents import packed_bound
+from models.runtime import DOCUMENTS_AUTO
+from relaymoe_jax.axes import TENSOR
 from train.compile import CompiledStep, check_fits, compile_step
 from train.config import RunConfig
 from train.mesh import build_mesh, check_batch_split
@@ -44,6 +47,27 @@ def resolve_run(run_config: RunConfig, devices=None) -> Run:
   """The run's model config (read once: the `init_from` source's may be a file) and mesh over `devices` (default:
   all; compile-only devices for `relaymoe-plan --topology`)."""
   return Run(run_config, model_config_for(run_config), build_mesh(run_config.mesh, devices))
+
+
+def resolve_documents(run: Run, source) -> Run:
+  """`run` with `runtime.documents_per_row: auto` replaced by M for its data: the most documents the inputs of one
+  of the windows the run reads from `source` hold (`most_documents`), within what one row's packed backward may take
+  (`packed_bound`; a call with a fuller row takes the tile loop, exact either way); as it was where documents are
+  not masked."""
+  run_config, c = run.run_config, run.model_config
+  if run_config.runtime.documents_per_row != DOCUMENTS_AUTO or not run_config.data.masks_documents():
+    return run
+  most = source.most_documents(run_config.seq_len, run_config.steps * run_config.batch_size)
+  if most is None:
+    return run
+  tensor = run.mesh.shape.get(TENSOR, 1)
+  heads = c.num_attention_heads // tensor if c.num_key_value_heads % tensor == 0 else c.num_attention_heads
+  m = packed_bound(most, run_config.seq_len, heads, c.head_dim)
+  over = "; a call holding a fuller row takes the tile loop" if m < most else ""
+  log_on_process_0(f"documents: at most {most} in a row of {source.where}: cuDNN's packed layout holds {m} a row "
+                   f"(runtime.documents_per_row=auto){over}")
+  runtime = dataclasses.replace(run_config.runtime, documents_per_row=m)
+  return dataclasses.replace(run, run_config=dataclasses.replace(run_config, runtime=runtime))
 
 
 def resolve_step(run: Run, resume=False) -> Run:

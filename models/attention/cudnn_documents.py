@@ -50,6 +50,14 @@ CALL_TEMPORARY_BYTES = 2 << 30  # the most float32 temporaries one packed backwa
 LONG_ROW_TILE = 2048
 
 
+def packed_bound(most_documents, seq_len, query_heads, head_dim, budget=CALL_TEMPORARY_BYTES):
+  """M for rows of `seq_len` tokens holding at most `most_documents` documents (as the data has them): that many, at
+  least 2, and no more than one row's packed backward can hold within `budget` (its two float32 [S, Q, Z]
+  temporaries a slot: see `rows_per_call`); a call with a row over it takes the tile loop, exact either way."""
+  most_in_budget = budget // (2 * seq_len * query_heads * head_dim * 4)
+  return max(2, min(most_documents, most_in_budget))
+
+
 def rows_per_call(q_BSQZ, m=DOCUMENTS_PER_ROW, budget=CALL_TEMPORARY_BYTES):
   """The most of q's rows (a divisor of B, at least 1) one packed call may hold: cuDNN's backward takes two float32
   [S, Q, Z] temporaries for each of a call's rows·M slots (measured on an H200, 32 heads of 128, M = 16: 32.3 GiB

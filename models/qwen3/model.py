@@ -127,7 +127,7 @@ def attend_heads(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime, mesh, segment_ids_BS=No
       return context_attention(q_BSQZ, k_BSJZ, v_BSJZ, mesh=mesh, scale=scale, kernels=kernels,
                                segment_ids_BS=segment_ids_BS)
     return attention(q_BSQZ, k_BSJZ, v_BSJZ, scale, runtime.attention_implementation, platform, segment_ids_BS,
-                     mesh, batch_axes(runtime), runtime.documents_per_row)
+                     mesh, batch_axes(runtime), runtime.packed_documents())
 
 
 class DenseMLP(Layer):

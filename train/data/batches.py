@@ -51,6 +51,10 @@ class SyntheticLanguage:
     return tokens
 
 
+SCAN_TOKENS = 1 << 28  # the most tokens `most_documents` reads (a second or so): the first windows of a larger run
+READ_TOKENS = 1 << 24  # tokens it reads at a time
+
+
 class DataChanged(UserError):
   """The data file changed under the run (ids out of range, or shorter): the run stops at the step that met it."""
 
@@ -92,6 +96,20 @@ class TokenWindows:
 
   def windows(self, starts, length, step):
     return [self.tokens[s:s + length] for s in starts]
+
+  def most_documents(self, seq_len, windows=None, scan=SCAN_TOKENS):
+    """The most documents the inputs of one of the first `windows` windows (all where None; no more than `scan`
+    tokens' worth) hold: 1 + the EOS ids before a window's last input; None without an EOS id."""
+    if self.eos is None:
+      return None
+    n = min((self.num_tokens - 1) // seq_len, windows or self.num_tokens, max(1, scan // seq_len))
+    per_read = max(1, READ_TOKENS // seq_len)
+    most = 1
+    for first in range(0, n, per_read):
+      count = min(per_read, n - first)
+      inputs = np.asarray(self.tokens[first * seq_len:(first + count) * seq_len]).reshape(count, seq_len)
+      most = max(most, 1 + int((inputs[:, :-1] == self.eos).sum(axis=1).max()))
+    return most
 
 
 class TokenFile(TokenWindows):
