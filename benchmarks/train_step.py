@@ -91,7 +91,8 @@ def summary(name, shape, result):
           f"step_ms={result['step_ms']:.1f} head_ms={parts['lm_head']['ms']:.1f} "
           f"moe_ms={parts['moe_matmul']['ms'] + parts['moe_other']['ms']:.1f} "
           f"moe_matmul_ms={parts['moe_matmul']['ms']:.1f} attention_ms={parts['attention']['ms']:.1f} "
-          f"idle_ms={result['idle_ms']:.1f}")
+          + (f"deltanet_ms={parts['deltanet']['ms']:.1f} " if parts.get("deltanet", {}).get("ms") else "")
+          + f"idle_ms={result['idle_ms']:.1f}")
 
 
 def main(argv=None):
