@@ -1,6 +1,7 @@
 """Which tile kernels context-parallel attention uses, and (on a GPU) cuDNN's tiles against causal attention."""
 
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ from models.attention import cudnn
 from models.attention.context_parallel import XLA_TILES, context_attention
 from models.attention.cudnn import CUDNN_TILES, tile_kernels
 from models.sharding import MESH_AXES
+from train.config import RunConfig
+from train.plan import search as plan_search
 
 
 def test_xla_tiles_where_cudnn_cannot_attend(caplog):
@@ -38,6 +41,32 @@ def test_heads_wider_than_cudnn_takes_get_xla_tiles(monkeypatch, caplog):
   monkeypatch.setattr(cudnn.jax_cudnn, "check_compute_capability", staticmethod(lambda capability: True))
   assert tile_kernels("auto", "gpu", jnp.bfloat16, 256) is CUDNN_TILES  # a Hopper takes 256
   assert tile_kernels("auto", "gpu", jnp.bfloat16, 100) is XLA_TILES
+
+
+def test_compiling_for_another_hosts_gpus_the_checks_see_their_compute_capability(monkeypatch):
+  """`relaymoe-plan --topology` from a CPU host: JAX's cuDNN checks read this host's GPU (none: no Hopper, heads of
+  at most 128, no packed layout); inside `checks_see(target)` they read the target's, and after it their own again.
+  `search` compiles inside it (mutant killed: the search's `checks_see` dropped)."""
+  if cudnn.jax_cudnn is None:
+    pytest.skip("this JAX has no cuDNN attention module")
+  own = cudnn.jax_cudnn.check_compute_capability
+  hopper, ampere = (types.SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
+  with cudnn.checks_see(hopper):
+    assert cudnn.max_head_dim() == 256 and cudnn.jax_cudnn.check_compute_capability("9.0")
+    assert cudnn.jax_cudnn.is_cuda_compute_capability_equal("9.0")
+  with cudnn.checks_see(ampere):
+    assert cudnn.max_head_dim() == 128
+  with cudnn.checks_see(None):  # this host's own devices
+    assert cudnn.jax_cudnn.check_compute_capability is own
+  assert cudnn.jax_cudnn.check_compute_capability is own and cudnn.max_head_dim() == (256 if own("9.0") else 128)
+
+  seen = []
+  planner = types.SimpleNamespace(plan=lambda: seen.append(cudnn.max_head_dim()))
+  monkeypatch.setattr(plan_search, "make_planner", lambda *_, **__: planner)
+  run = types.SimpleNamespace(run_config=RunConfig(model="tiny"), model_config=None,
+                              mesh=types.SimpleNamespace(shape={"data": 1, "expert": 1, "tensor": 1}))
+  plan_search.search(run, variants=("ring",), devices=[hopper], log=lambda *_: None)
+  assert seen == [256]
 
 
 def test_asking_for_cudnn_where_it_cannot_attend_names_why():

@@ -13,6 +13,7 @@ gets a logsumexp the merge weighs 0): computed, not skipped, within a pair.
 Shape letters: see `relaymoe_jax`; A and W the rows of a query and a key tile.
 """
 
+import contextlib
 import functools
 import logging
 
@@ -64,9 +65,32 @@ def keeps_kernel_outputs(prim, *_, **__):
   return jax_cudnn is not None and prim is getattr(jax_cudnn, "_dot_product_attention_fwd_p_wrapper", None)
 
 
+@contextlib.contextmanager
+def checks_see(device):
+  """While inside, JAX's cuDNN checks (the head width, the packed layout: Hopper or later?) read the compute
+  capability of `device`, a compile-only GPU of another host (`train.plan.search.topology_devices`), instead of this
+  host's own GPU, which a CPU host has none of; outside a GPU's or without JAX's checks, nothing changes."""
+  capability = getattr(device, "compute_capability", None)
+  if jax_cudnn is None or capability is None or not hasattr(jax_cudnn, "check_compute_capability"):
+    yield
+    return
+  target = tuple(int(x) for x in str(capability).split("."))
+  version = lambda c: tuple(int(x) for x in c.split("."))
+  checks = {"check_compute_capability": lambda c: target >= version(c),
+            "is_cuda_compute_capability_equal": lambda c: target == version(c)}
+  own = {name: getattr(jax_cudnn, name) for name in checks if hasattr(jax_cudnn, name)}
+  for name in own:
+    setattr(jax_cudnn, name, checks[name])
+  try:
+    yield
+  finally:
+    for name, check in own.items():
+      setattr(jax_cudnn, name, check)
+
+
 def max_head_dim():
   """The widest head JAX's cuDNN check lets through: 256 where it sees a Hopper or later GPU among this process's
-  devices, else 128 (compiling for GPUs from a CPU host, it sees none)."""
+  devices (or the target's, inside `checks_see`), else 128."""
   hopper = getattr(jax_cudnn, "check_compute_capability", None)
   return 256 if hopper is not None and hopper("9.0") else 128
 

@@ -9,6 +9,7 @@ import pathlib
 import jax
 from jax.experimental import topologies
 
+from models.attention.cudnn import checks_see
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import MissingInput, UserError
@@ -49,21 +50,27 @@ def search(run, *, maximize=None, granule=None, variants=tuple(VARIANTS), log=pr
   if run_config.runtime.context_parallel:  # a sequence splits into 2 × expert chunks
     granule = math.lcm(granule or 1024, 2 * mesh.shape[EXPERT])
   configs = {name: variant_config(run_config, name) for name in variants}  # every name checked before a compile
-  for name, config in configs.items():
-    log(f"{name} ({config.runtime.dispatcher}):")
-    if maximize == "seq":
-      planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), **resolved)
-      plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
-    elif maximize == "batch":
-      planner = make_planner(dataclasses.replace(config, micro_batches=1), **resolved)
-      plan, above = planner.maximize("batch_size", (granule or 1) * shards, upgrade)
-      if plan is not None and run_config.batch_size > plan.batch_size:
-        plan = accumulating(planner, run_config.batch_size, plan.batch_size, shards, log) or plan
-    else:
-      plan, above = make_planner(config, **resolved).plan(), None
-    results[name] = dict(dispatcher=config.runtime.dispatcher, plan=plan, not_fitting=above,
-                         options=dict(config.runtime.dispatcher_options))
+  with checks_see(devices[0] if devices else None):  # compiling for another host's GPUs: cuDNN's checks see them
+    for name, config in configs.items():
+      results[name] = _search_variant(name, config, run_config, resolved, shards, maximize, granule, upgrade, log)
   return results
+
+
+def _search_variant(name, config, run_config, resolved, shards, maximize, granule, upgrade, log):
+  """One variant's result of `search`."""
+  log(f"{name} ({config.runtime.dispatcher}):")
+  if maximize == "seq":
+    planner = make_planner(dataclasses.replace(config, batch_size=shards, micro_batches=1), **resolved)
+    plan, above = planner.maximize("seq_len", granule or 1024, upgrade)
+  elif maximize == "batch":
+    planner = make_planner(dataclasses.replace(config, micro_batches=1), **resolved)
+    plan, above = planner.maximize("batch_size", (granule or 1) * shards, upgrade)
+    if plan is not None and run_config.batch_size > plan.batch_size:
+      plan = accumulating(planner, run_config.batch_size, plan.batch_size, shards, log) or plan
+  else:
+    plan, above = make_planner(config, **resolved).plan(), None
+  return dict(dispatcher=config.runtime.dispatcher, plan=plan, not_fitting=above,
+              options=dict(config.runtime.dispatcher_options))
 
 
 def accumulating(planner, batch_size, most, shards, log=print, tries=3):
