@@ -521,6 +521,15 @@ def test_relaymoe_plan_refuses_a_bad_variant_or_out_before_any_compile(tmp_path,
     assert stderr.count("\n") == 1
 
 
+def test_relaymoe_plan_says_a_given_remat_is_not_what_it_plans(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  monkeypatch.setattr(plan_search, "search", lambda *args, **kwargs: {})
+  for remat, said in (("layer", True), ("auto", False)):
+    cli.plan_main(["--config", "cpu", "--out", str(tmp_path / "out"), *OVERRIDES, f"runtime.remat={remat}"])
+    out = capsys.readouterr().out
+    assert ("runtime.remat='layer' is not used here: relaymoe-plan searches what each layer recomputes" in out) == said
+
+
 def test_the_fit_guard_warns_near_the_limit_when_the_allocator_grows_on_demand(uniform, monkeypatch, capsys):
   step = train_run.compile_step(BASE)  # remat none: uniform["none"] bytes
   monkeypatch.setattr(train_compile, "allocator_grows_on_demand", lambda: True)

@@ -216,6 +216,9 @@ def plan_main(argv=None):
 
 def _plan(args):
   config = _start(args, list(args.overrides))
+  if config.runtime.remat not in ("none", "auto") and jax.process_index() == 0:
+    print(f"runtime.remat={config.runtime.remat!r} is not used here: relaymoe-plan searches what each layer "
+          "recomputes (relaymoe-train runs the remat given)", flush=True)
 
   devices = plan_search.topology_devices(args.topology, args.target_config) if args.topology else None
   quiet = jax.process_index() != 0
