@@ -11,10 +11,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import span_scan
 from models.attention.context_parallel import splits_sequences
 from relaymoe_jax.axes import EXPERT
 
@@ -66,8 +66,9 @@ class Spans:
     return w if self.count == 1 else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
 
   def scan(self, body, carry, xs):
-    """`lax.scan(body, carry, xs)` over the spans, each step rematerialised; one span: one plain call."""
+    """`lax.scan(body, carry, xs)` over the spans, each step rematerialised (`models.span_scan`); one span: one plain
+    call."""
     if self.count == 1:
       carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
       return carry, jax.tree.map(lambda y: y[None], ys)
-    return lax.scan(jax.checkpoint(body), carry, xs)
+    return span_scan.scan(body, carry, xs)
