@@ -41,4 +41,6 @@ def check_rows(rows, mesh, axes):
 def embed(table_VD, tokens_BS):
   """Rows of `table_VD` for `tokens_BS`; NaN for an id outside the table (the trainer counts such ids and stops)."""
   inside_BS = (tokens_BS >= 0) & (tokens_BS < table_VD.shape[0])
-  return jnp.where(inside_BS[..., None], table_VD[tokens_BS], jnp.nan)
+  # Added, not selected: the gradient of a select is another select against a [B, S, D] buffer of zeros, which XLA
+  # made with the loss head's and kept from the forward pass to the embedding's gradient at the step's end.
+  return table_VD[tokens_BS] + jnp.where(inside_BS, 0, jnp.nan).astype(table_VD.dtype)[..., None]

@@ -8,12 +8,15 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import extend
 from jax._src import profiler as jax_profiler
 import pytest
 from flax import nnx
 
 from conftest import requires_devices, tensorboard_scalars
+from models.inputs import embed
 from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
 from models.qwen35.config import load_config as load_qwen35_config
@@ -149,6 +152,30 @@ def test_token_ids_outside_the_vocabulary_are_named_or_nan():
       model(tokens)
     out = np.asarray(logits(tokens, None))
     assert np.isnan(out[2, 5:]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()  # its row's after it
+
+
+def test_the_embeddings_gradient_needs_no_buffer_of_zeros():
+  """`embed`'s gradient reaches the table through its gather alone: no [B, S, D] buffer of zeros for a select to
+  pick from (XLA made it with the loss head's, in the forward pass, and kept it to the step's end); an id outside
+  the vocabulary still embeds as NaN."""
+  table = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.bfloat16)
+  tokens = jnp.asarray([[1, 3, 16, -1]], jnp.int32)
+  out = np.asarray(embed(table, tokens), np.float32)
+  assert out.dtype == np.float32 and embed(table, tokens).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out[0, :2], np.asarray(table[jnp.asarray([1, 3])], np.float32))
+  assert np.isnan(out[0, 2:]).all()
+  gradient = lambda table, d_out: jax.vjp(lambda table: embed(table, tokens), table)[1](d_out)
+  jaxpr = jax.make_jaxpr(gradient)(table, jnp.ones((1, 4, 8), table.dtype))
+  zeros = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "broadcast_in_dim"
+           and e.outvars[0].aval.shape == (1, 4, 8) and isinstance(e.invars[0], extend.core.Literal)]
+  assert not zeros, zeros
+
+
+def _equations(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in extend.core.jaxprs_in_params(e.params):
+      yield from _equations(sub)
 
 
 @pytest.mark.parametrize("segments,positions,message", [
