@@ -20,6 +20,7 @@ chex.set_n_cpu_devices(8)  # before any JAX operation: it rewrites XLA_FLAGS' ho
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax import extend  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tensorboardX.proto import event_pb2  # noqa: E402
 
@@ -103,3 +104,18 @@ def assert_close(actual, expected, rtol, name=""):
     rmt.assert_trees_close(actual, expected, rtol)
   except AssertionError as e:
     raise AssertionError(f"{name}: {e}") from None
+
+
+def broadcast_constants(jaxpr, shape_filter):
+  """The equations of `jaxpr` (and of the jaxprs inside them) that broadcast a literal to a shape `shape_filter`
+  accepts: buffers XLA makes from a constant, where it may make them all at once, early."""
+  return [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "broadcast_in_dim"
+          and isinstance(e.invars[0], extend.core.Literal) and shape_filter(e.outvars[0].aval.shape)]
+
+
+def jaxpr_equations(jaxpr):
+  """The equations of `jaxpr` and, depth first, of the jaxprs in their parameters."""
+  for e in jaxpr.eqns:
+    yield e
+    for sub in extend.core.jaxprs_in_params(e.params):
+      yield from jaxpr_equations(sub)

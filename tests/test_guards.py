@@ -10,12 +10,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import extend
 from jax._src import profiler as jax_profiler
 import pytest
 from flax import nnx
 
-from conftest import requires_devices, tensorboard_scalars
+from conftest import broadcast_constants, requires_devices, tensorboard_scalars
 from models.inputs import embed
 from models.qwen3 import model as qwen3
 from models.qwen3.config import load_config
@@ -166,16 +165,8 @@ def test_the_embeddings_gradient_needs_no_buffer_of_zeros():
   assert np.isnan(out[0, 2:]).all()
   gradient = lambda table, d_out: jax.vjp(lambda table: embed(table, tokens), table)[1](d_out)
   jaxpr = jax.make_jaxpr(gradient)(table, jnp.ones((1, 4, 8), table.dtype))
-  zeros = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "broadcast_in_dim"
-           and e.outvars[0].aval.shape == (1, 4, 8) and isinstance(e.invars[0], extend.core.Literal)]
+  zeros = broadcast_constants(jaxpr.jaxpr, lambda shape: shape == (1, 4, 8))
   assert not zeros, zeros
-
-
-def _equations(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for sub in extend.core.jaxprs_in_params(e.params):
-      yield from _equations(sub)
 
 
 @pytest.mark.parametrize("segments,positions,message", [

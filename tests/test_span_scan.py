@@ -1,15 +1,15 @@
-"""`Spans.scan` (`models.span_scan`): `lax.scan(jax.checkpoint(body), ...)`'s values and gradients, on random float32 data, for
-a body with what Qwen3.5's layers give it (a carry with an integer leaf, inputs with integer ids and a second float
-input, two outputs, weights closed over); and no buffer of its outputs' or input gradients' size made from a
-constant (XLA makes all such broadcasts together, before the first loop), none at all for input gradients that can
-be written over output gradients."""
+"""`Spans.scan` (`models.span_scan`): `lax.scan(jax.checkpoint(body), ...)`'s values and gradients, on random
+float32 data, for a body with what Qwen3.5's layers give it (a carry with an integer leaf, inputs with integer ids
+and a second float input, two outputs, weights closed over); and no buffer of its outputs' or input gradients' size
+made from a constant (XLA makes all such broadcasts together, before the first loop), none at all for input
+gradients that can be written over output gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import extend, lax
+from jax import lax
 
-from conftest import assert_close
+from conftest import assert_close, broadcast_constants, jaxpr_equations
 from models.spans import Spans
 
 P, T, D, Z = 5, 4, 6, 3
@@ -63,18 +63,10 @@ def test_span_scan_makes_no_output_sized_buffer_from_a_constant():
 
   cotangents = tuple(jnp.asarray(RNG.normal(size=shape), jnp.float32) for shape in ((D,), (P, T, D), (P, T, Z)))
   jaxpr = jax.make_jaxpr(values_and_vjp)(W, X, OUT, H0, cotangents)
-  equations = list(_equations(jaxpr.jaxpr))
+  equations = list(jaxpr_equations(jaxpr.jaxpr))
   assert all(len(e.outvars) == e.params["num_carry"] for e in equations if e.primitive.name == "scan")
-  from_constants = [e for e in equations if e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.ndim
-                    and e.outvars[0].aval.shape[0] == P and isinstance(e.invars[0], extend.core.Literal)]
+  from_constants = broadcast_constants(jaxpr.jaxpr, lambda shape: len(shape) > 0 and shape[0] == P)
   assert not from_constants, from_constants
   # x's gradient is written over y's, out's over y2's (their shapes): only the forward's two outputs are made.
   made = [e for e in equations if e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape[:2] == (P, T)]
   assert len(made) == 2, made
-
-
-def _equations(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for sub in extend.core.jaxprs_in_params(e.params):
-      yield from _equations(sub)
