@@ -52,8 +52,8 @@ def _scan_backward(body, residuals, cotangents):
     dy = jax.tree.unflatten(dy_tree, [buffer[i] for buffer in buffers[:len(dy_leaves)]])
     wrt = ([jax.tree.leaves(carry_i)[j] for j in carry_at], [jax.tree.leaves(xs_i)[j] for j in x_at],
            [jax.tree.leaves(consts)[j] for j in const_at])
-    diff_body = lambda c, x, k: _float_outputs(body(_put_leaves(carry_i, carry_at, c), _put_leaves(xs_i, x_at, x),
-                                                    *_put_leaves(consts, const_at, k)))
+    diff_body = lambda c, x, w: _float_outputs(body(_put_leaves(carry_i, carry_at, c), _put_leaves(xs_i, x_at, x),
+                                                    *_put_leaves(consts, const_at, w)))
     _, vjp = jax.vjp(diff_body, *wrt)
     dcarry, dx, dk = vjp((dcarry, _float_leaves(dy)))
     buffers = list(buffers)
