@@ -58,17 +58,10 @@ def causal_conv(x_BSC, w_CW, segment_ids_BS=None):
   return out.astype(x_BSC.dtype)
 
 
-# The kernel path on GPUs. Off until a GPU has run it: rewritten (the inverses as kernels, the output out of the
-# sequential kernel) in a session that got no GPU, it is checked in Pallas' interpreter and lowered to Triton on CPU
-# only; the kernels it replaced passed `pytest -m gpu` at 0.6 of the XLA form's time (git history). On once
-# `pytest -m gpu` passes with it and `benchmarks.gated_deltanet` has measured it.
-KERNELS_ON_GPU = False
-
-
 def delta_state_kernel(runtime, platform):
-  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (once `KERNELS_ON_GPU`; not with
+  """The gated delta rule's loop over chunks: the Pallas kernels on GPUs (not with
   runtime.attention_implementation=xla), XLA's scan elsewhere."""
-  on = KERNELS_ON_GPU and platform == "gpu" and runtime.attention_implementation != "xla"
+  on = platform == "gpu" and runtime.attention_implementation != "xla"
   return "pallas" if on else "xla"
 
 
