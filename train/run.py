@@ -8,7 +8,7 @@ import functools
 
 import jax
 
-from models.attention.cudnn_documents import packed_bound
+from models.attention.cudnn_documents import heads_split, packed_bound
 from models.runtime import DOCUMENTS_AUTO
 from relaymoe_jax.axes import TENSOR
 from train.compile import CompiledStep, check_fits, compile_step
@@ -61,7 +61,7 @@ def resolve_documents(run: Run, source) -> Run:
   if most is None:
     return run
   tensor = run.mesh.shape.get(TENSOR, 1)
-  heads = c.num_attention_heads // tensor if c.num_key_value_heads % tensor == 0 else c.num_attention_heads
+  heads = c.num_attention_heads // tensor if heads_split(c.num_key_value_heads, tensor) else c.num_attention_heads
   m = packed_bound(most, run_config.seq_len, heads, c.head_dim)
   over = "; a call holding a fuller row takes the tile loop" if m < most else ""
   log_on_process_0(f"documents: at most {most} in a row of {source.where}: cuDNN's packed layout holds {m} a row "

@@ -67,6 +67,11 @@ def rows_per_call(q_BSQZ, m=DOCUMENTS_PER_ROW, budget=CALL_TEMPORARY_BYTES):
   return max(d for d in range(1, min(b, fit) + 1) if b % d == 0)
 
 
+def heads_split(kv_heads, tensor):
+  """Whether the heads are split over 'tensor' (of size `tensor`) in the packed calls: where the K/V heads divide."""
+  return kv_heads % tensor == 0
+
+
 def documents_attention_on(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, mesh, batch_axes, m=DOCUMENTS_PER_ROW):
   """`documents_attention` on each device's rows of `mesh` (B split over `batch_axes`, the heads over 'tensor' where
   they divide over it; None: on one device), each device's packed calls holding `rows_per_call` of its rows."""
@@ -75,7 +80,7 @@ def documents_attention_on(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS, scale, mesh, 
 
   if mesh is None:
     return local(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
-  heads = TENSOR if TENSOR in mesh.shape and k_BSJZ.shape[2] % mesh.shape[TENSOR] == 0 else None
+  heads = TENSOR if TENSOR in mesh.shape and heads_split(k_BSJZ.shape[2], mesh.shape[TENSOR]) else None
   spec, segments_spec = P(batch_axes, None, heads, None), P(batch_axes, None)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, segments_spec), out_specs=spec,
                        check_vma=False)(q_BSQZ, k_BSJZ, v_BSJZ, segment_ids_BS)
