@@ -4,9 +4,10 @@ holds one micro-batch at a time: tokens per device, recompute time and layer inp
 
 Every number comes from XLA's buffer assignment of the real train step compiled from shapes alone
 (`train.compile.memory_plan`: nothing is allocated), but one estimate: `offload` in every layer, taken as `layer`'s
-step less the layer inputs it moves to the host, and compiled only where a plan relies on it. The plan starts from
-the most frugal choice for every layer (`offload` where the device has host memory to offload to, else `layer`),
-compiles the step once per uniform policy to learn what keeping more costs per layer, then upgrades layers greedily
+step less the layer inputs it moves to the host, and compiled only where a plan relies on it. The plan compiles the
+step once per uniform policy to learn what keeping more costs per layer, starts from the one that needs fewest bytes
+in every layer (as a rule `offload` where the device has host memory to offload to, else `layer`; a policy that
+needs more bytes than one recomputing less is dropped), then upgrades layers greedily
 by recompute time saved per byte until the budget is spent, as the paper does; the chosen plan is compiled once more
 to confirm it fits (and stepped back while it does not). Time saved is estimated from the model's FLOPs
 (`train.step.layer_forward_flops`) at the device's peak and, for `offload`, the layer input's round trip over the
@@ -226,26 +227,38 @@ class Planner:
     fitting, when even that does not fit)."""
     layers = self.layers
     choices = policies(self.devices)
-    frugal = choices[0]
     self.prefetch([p for p in ("none", *choices[:-1]) if p != "offload"], **changes)
     uniform = {"none": self.measure("none", **changes)}
     if self.fits(uniform["none"]):  # nothing to plan
-      return self._first_fitting(("none",) * layers, uniform, changes)
+      return self._first_fitting(("none",) * layers, uniform, changes, choices)
     for policy in sorted(choices[:-1], key=lambda p: p == "offload"):  # offload's estimate needs layer's step
       estimate = policy == "offload" and self._key(policy, changes) not in self._measured
       uniform[policy] = self._offloaded(uniform["layer"], changes) if estimate else self.measure(policy, **changes)
-    if not self.fits(uniform[frugal]) and uniform[frugal].get("estimated"):
-      uniform[frugal] = self.measure(frugal, **changes)
-    if not self.fits(uniform[frugal]):
-      return self._not_fitting(frugal, uniform[frugal], changes)
-    return self._first_fitting(self._greedy(uniform, layers, changes), uniform, changes)
+    order = self._cheapest_first(uniform, changes)
+    while not self.fits(uniform[order[0]]) and uniform[order[0]].get("estimated"):
+      uniform[order[0]] = self.measure(order[0], **changes)
+      order = self._cheapest_first(uniform, changes)
+    if not self.fits(uniform[order[0]]):
+      return self._not_fitting(order[0], uniform[order[0]], changes)
+    return self._first_fitting(self._greedy(uniform, layers, changes, order), uniform, changes, order)
 
-  def _first_fitting(self, remat, uniform, changes):
-    """From `remat` on, stepping back while nothing fits, the first candidate that fits. Candidates are compiled to
-    run, one at a time (compiles at once would autotune on one GPU together), the faster first: the plan with the
-    ring keeping gate/up (often no more memory: its backward's recompute goes), then without."""
-    choices = policies(self.devices)
-    frugal = choices[0]
+  def _cheapest_first(self, uniform, changes):
+    """The policies by their uniform steps' bytes, fewest first (`FRUGAL_FIRST` as a rule), less each that a policy
+    needing no more bytes beats on recompute time: XLA's schedule can make recomputing more cost more (Qwen3.5's
+    4-layer slice at 16 × 4096 on an H100: `attention` 73.8 GiB, `layer` 76.0, `offload` 77.6)."""
+    seconds = self._recompute_seconds(changes)
+    kept = []
+    for policy in sorted(uniform, key=lambda p: (uniform[p]["total_bytes"], seconds[p])):
+      if all(seconds[policy] < seconds[cheaper] for cheaper in kept):
+        kept.append(policy)
+    return tuple(kept)
+
+  def _first_fitting(self, remat, uniform, changes, order):
+    """From `remat` on, stepping back (along `order`, fewest bytes first) while nothing fits, the first candidate that
+    fits. Candidates are compiled to run, one at a time (compiles at once would autotune on one GPU together), the
+    faster first: the plan with the ring keeping gate/up (often no more memory: its backward's recompute goes), then
+    without."""
+    frugal = order[0]
     keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
     while True:
       if keep:
@@ -259,7 +272,7 @@ class Planner:
         return self._result(remat, plan, changes)
       if remat == (frugal,) * len(remat):  # only where the frugal step was estimated to fit and does not
         return self._not_fitting(frugal, plan, changes)
-      remat = _step_back(remat, choices)
+      remat = _step_back(remat, order)
 
   def _not_fitting(self, frugal, measured, changes):
     """Where even `frugal` in every layer (its step `measured`) does not fit: the plan with the ring's chunks capped
@@ -284,17 +297,16 @@ class Planner:
     tokens = run.micro_batch_size * run.seq_len // token_shards(self.mesh)
     return tokens * self.model_config.hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
 
-  def _greedy(self, uniform, layers, changes):
-    """Per layer, start at the most frugal policy; take (layer, policy) upgrades by recompute seconds saved per
-    byte while the budget allows. Bytes per layer of a policy: its uniform step's bytes over the frugal one's,
-    divided among the layers."""
-    choices = policies(self.devices)
-    frugal = choices[0]
+  def _greedy(self, uniform, layers, changes, order):
+    """Per layer, start at the most frugal policy (`order`'s first); take (layer, policy) upgrades by recompute
+    seconds saved per byte while the budget allows. Bytes per layer of a policy: its uniform step's bytes over the
+    frugal one's, divided among the layers."""
+    frugal = order[0]
     base = uniform[frugal]["total_bytes"]
-    extra_bytes = {p: max((uniform[p]["total_bytes"] - base) / layers, 1.0) for p in choices}
+    extra_bytes = {p: max((uniform[p]["total_bytes"] - base) / layers, 1.0) for p in order}
     extra_bytes[frugal] = 0.0
     seconds = self._recompute_seconds(changes)
-    options = sorted(((seconds[frugal] - seconds[p]) / extra_bytes[p], p) for p in choices[1:])
+    options = sorted(((seconds[frugal] - seconds[p]) / extra_bytes[p], p) for p in order[1:])
     slack = self.budget_bytes - base
     chosen = [frugal] * layers
     for _, policy in reversed(options):
@@ -304,7 +316,7 @@ class Planner:
           slack -= cost
           chosen[i] = policy
     # Keep layers of one policy together (one scanned stretch each); the layers are alike, so order is free.
-    return tuple(sorted(chosen, key=choices.index))
+    return tuple(sorted(chosen, key=order.index))
 
   def _recompute_seconds(self, changes):
     """Estimated backward recompute time per layer of each policy on this run (the mean over layers)."""
