@@ -20,7 +20,7 @@ import pytest
 from relaymoe_jax.kernels import mosaic_gpu
 from relaymoe_jax.errors import UserError
 from train import cli, loop
-from train.plan import loss_chunk, planner as planning, search as plan_search, remat_auto
+from train.plan import greedy, loss_chunk, planner as planning, search as plan_search, remat_auto
 from train import compile as train_compile
 from train.compile import StepDoesNotFit, memory_plan
 from train.config import load_run_config
@@ -259,11 +259,11 @@ def test_on_gpus_the_attention_kernels_outputs_are_kept_where_its_scores_dominat
   layers = model_config_for(BASE).num_hidden_layers
   uniform = {p: {"total_bytes": gib * GIB} for p, gib in
              dict(layer=118.3, all_but_attention=127.2, attention=150.2, none=230.8).items()}
-  order = planner._cheapest_first(uniform, {})
+  seconds = planner._recompute_seconds({})
+  order = greedy.cheapest_first(uniform, seconds)
   # At a long sequence `attention` recomputes more than `all_but_attention` (the scores) for more bytes: dropped.
   assert order == tuple(p for p in planning.FRUGAL_FIRST[1:] if p != "attention" or bought == "attention")
-  assert planner._greedy(uniform, layers, {}, order) == (bought,) * layers
-  seconds = planner._recompute_seconds({})
+  assert greedy.upgrades(uniform, seconds, layers, planner.budget_bytes, order) == (bought,) * layers
   assert seconds["none"] < seconds["attention"] < seconds["layer"]
   assert 0 < seconds["all_but_attention"] < seconds["layer"]
 

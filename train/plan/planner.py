@@ -33,6 +33,7 @@ from relaymoe_jax.errors import UserError
 from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
 from train.config import RunConfig
 from train.mesh import token_shards
+from train.plan import greedy
 from train.plan.record import Plan
 from train.metrics import peak_tflops, size
 from train.step import mean_layer_flops
@@ -234,24 +235,15 @@ class Planner:
     for policy in sorted(choices[:-1], key=lambda p: p == "offload"):  # offload's estimate needs layer's step
       estimate = policy == "offload" and self._key(policy, changes) not in self._measured
       uniform[policy] = self._offloaded(uniform["layer"], changes) if estimate else self.measure(policy, **changes)
-    order = self._cheapest_first(uniform, changes)
+    seconds = self._recompute_seconds(changes)
+    order = greedy.cheapest_first(uniform, seconds)
     while not self.fits(uniform[order[0]]) and uniform[order[0]].get("estimated"):
       uniform[order[0]] = self.measure(order[0], **changes)
-      order = self._cheapest_first(uniform, changes)
+      order = greedy.cheapest_first(uniform, seconds)
     if not self.fits(uniform[order[0]]):
       return self._not_fitting(order[0], uniform[order[0]], changes)
-    return self._first_fitting(self._greedy(uniform, layers, changes, order), uniform, changes, order)
-
-  def _cheapest_first(self, uniform, changes):
-    """The policies by their uniform steps' bytes, fewest first (`FRUGAL_FIRST` as a rule), less each that a policy
-    needing no more bytes beats on recompute time: XLA's schedule can make recomputing more cost more (Qwen3.5's
-    4-layer slice at 16 × 4096 on an H100: `attention` 73.8 GiB, `layer` 76.0, `offload` 77.6)."""
-    seconds = self._recompute_seconds(changes)
-    kept = []
-    for policy in sorted(uniform, key=lambda p: (uniform[p]["total_bytes"], seconds[p])):
-      if all(seconds[policy] < seconds[cheaper] for cheaper in kept):
-        kept.append(policy)
-    return tuple(kept)
+    remat = greedy.upgrades(uniform, seconds, layers, self.budget_bytes, order)
+    return self._first_fitting(remat, uniform, changes, order)
 
   def _first_fitting(self, remat, uniform, changes, order):
     """From `remat` on, stepping back (along `order`, fewest bytes first) while nothing fits, the first candidate that
@@ -272,7 +264,7 @@ class Planner:
         return self._result(remat, plan, changes)
       if remat == (frugal,) * len(remat):  # only where the frugal step was estimated to fit and does not
         return self._not_fitting(frugal, plan, changes)
-      remat = _step_back(remat, order)
+      remat = greedy.step_back(remat, order)
 
   def _not_fitting(self, frugal, measured, changes):
     """Where even `frugal` in every layer (its step `measured`) does not fit: the plan with the ring's chunks capped
@@ -296,27 +288,6 @@ class Planner:
     run = dataclasses.replace(self.run_config, **changes)
     tokens = run.micro_batch_size * run.seq_len // token_shards(self.mesh)
     return tokens * self.model_config.hidden_size * jax.numpy.dtype(run.runtime.dtype).itemsize
-
-  def _greedy(self, uniform, layers, changes, order):
-    """Per layer, start at the most frugal policy (`order`'s first); take (layer, policy) upgrades by recompute
-    seconds saved per byte while the budget allows. Bytes per layer of a policy: its uniform step's bytes over the
-    frugal one's, divided among the layers."""
-    frugal = order[0]
-    base = uniform[frugal]["total_bytes"]
-    extra_bytes = {p: max((uniform[p]["total_bytes"] - base) / layers, 1.0) for p in order}
-    extra_bytes[frugal] = 0.0
-    seconds = self._recompute_seconds(changes)
-    options = sorted(((seconds[frugal] - seconds[p]) / extra_bytes[p], p) for p in order[1:])
-    slack = self.budget_bytes - base
-    chosen = [frugal] * layers
-    for _, policy in reversed(options):
-      for i in range(layers):
-        cost = extra_bytes[policy] - extra_bytes[chosen[i]]
-        if seconds[policy] < seconds[chosen[i]] and cost <= slack:
-          slack -= cost
-          chosen[i] = policy
-    # Keep layers of one policy together (one scanned stretch each); the layers are alike, so order is free.
-    return tuple(sorted(chosen, key=order.index))
 
   def _recompute_seconds(self, changes):
     """Estimated backward recompute time per layer of each policy on this run (the mean over layers)."""
@@ -383,17 +354,6 @@ def _compact(remat):
   if len(set(remat)) == 1:
     return remat[0]
   return ",".join(f"{p}×{n}" for p, n in {p: remat.count(p) for p in dict.fromkeys(remat)}.items())
-
-
-def _step_back(remat, choices):
-  """One layer one policy more frugal: the last layer whose policy is not already the most frugal."""
-  remat = list(remat)
-  for i in range(len(remat) - 1, -1, -1):
-    level = choices.index(remat[i])
-    if level > 0:
-      remat[i] = choices[level - 1]
-      break
-  return tuple(sorted(remat, key=choices.index))
 
 
 def budget_bytes(run_config, limit):
