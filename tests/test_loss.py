@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import assert_close, mesh_of
+from conftest import assert_close, jaxpr_equations, mesh_of
 from models.qwen3 import model as qwen3
 from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import load_config
@@ -278,6 +278,28 @@ def test_offload_keeps_only_the_layer_inputs_and_keeps_them_on_the_host(model_se
   lines = [line for line in out.getvalue().splitlines() if stacked_inputs in line]
   assert lines, out.getvalue()
   assert all(("<host>" in line) == on_host for line in lines), lines
+
+
+def test_offload_computes_what_keeping_everything_does_ordered_around_each_layers_host_copy(model_setup):
+  """`offload`'s custom VJP: the loss and every gradient of keeping everything (float32), and two barriers with a
+  host operand per traced layer (the scan traces its one): the forward's output waits for the host copy, the
+  backward's fetch for the output's gradient. Without them XLA may keep each input on the device until backward.
+  The recompute's matmuls at the model's precision (float32's HIGHEST: a GPU's default is TF32)."""
+  mesh, config, runtime, tokens, params = model_setup
+  losses = {policy: _model_loss(config, dataclasses.replace(runtime, remat=policy), mesh, tokens)
+            for policy in ("none", "offload")}
+  jaxpr = jax.make_jaxpr(jax.grad(losses["offload"]))(params)
+  on_host = lambda v: getattr(v.aval, "memory_space", None) == jax.memory.Space.Host  # noqa: E731
+  host_barriers = [e for e in jaxpr_equations(jaxpr.jaxpr)
+                   if e.primitive.name == "optimization_barrier" and any(map(on_host, e.invars))]
+  assert len(host_barriers) == 2, host_barriers
+  precisions = {str(e.params["precision"]) for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"}
+  assert precisions == {str((jax.lax.Precision.HIGHEST,) * 2)}, precisions
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(losses["none"]))(params)
+  value, grads = jax.jit(jax.value_and_grad(losses["offload"]))(params)
+  assert abs(float(value) - float(ref_value)) <= LOSS_RTOL * abs(float(ref_value))
+  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
 @pytest.mark.gpu

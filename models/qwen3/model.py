@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
@@ -29,7 +28,7 @@ from models.inputs import check_rows, checked_inputs, embed
 from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import Qwen3MoEConfig, layer_groups
 from models.runtime import RuntimeConfig
-from models.remat import LAYER_INPUT, remat_policy
+from models.remat import offloaded, remat_policy
 from models.router_state import bias_value, router_bias, router_losses
 from models.sharding import (TOKEN_AXES, activation_spec, batch_axes, make_param, model_mesh, runs_on_model_mesh,
                              sequence_axis)
@@ -203,12 +202,13 @@ class DecoderLayer(Layer):
 
   def __call__(self, x_BSD, positions_BS, segment_ids_BS=None):
     policy = self.runtime.remat_of(self.layer)
-    if policy in ("layer", "offload", "all_but_attention"):
+    if policy == "offload":
+      return offloaded(_layer_forward, self, x_BSD, positions_BS, segment_ids_BS)
+    if policy in ("layer", "all_but_attention"):
       return nnx.remat(_layer_forward, policy=remat_policy(policy))(self, x_BSD, positions_BS, segment_ids_BS)
     return self.forward(x_BSD, positions_BS, segment_ids_BS, remat_attention=policy == "attention")
 
   def forward(self, x_BSD, positions_BS, segment_ids_BS=None, remat_attention=False):
-    x_BSD = checkpoint_name(x_BSD, LAYER_INPUT)
     attend = nnx.remat(_attend) if remat_attention else _attend
     h = x_BSD + attend(self.attn, self.input_norm(x_BSD), positions_BS, segment_ids_BS)
     out = self.mlp(self.post_attention_norm(h))
