@@ -96,20 +96,22 @@ def _inverse_kernel(a_ref, t_ref):
       t[i, j] = -_dot(t[i, i], below, jnp.float32)
   for i in range(blocks):
     for j in range(blocks):
-      t_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = t.get((i, j), jnp.zeros_like(eye_ss))
+      t_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = t.get((i, j), jnp.zeros_like(eye_ss)).astype(
+          t_ref.dtype)
 
 
-def _inverse(a_MCC, interpret):
+def _inverse(a_MCC, dtype, interpret):
   m, c, _ = a_MCC.shape
   spec = pl.BlockSpec((pl.squeezed, c, c), lambda i: (i, 0, 0))
-  return _call(_inverse_kernel, (m,), [spec], spec, jax.ShapeDtypeStruct(a_MCC.shape, jnp.float32), interpret,
+  return _call(_inverse_kernel, (m,), [spec], spec, jax.ShapeDtypeStruct(a_MCC.shape, dtype), interpret,
                "gated_delta_unit_lower_inverse")(a_MCC)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def unit_lower_inverse(a_XCC, dtype, interpret):
-  """(I + tril(A, −1))⁻¹ [..., C, C] float32, C a multiple of 16; `dtype` the backward's matmul operands."""
-  return _inverse(a_XCC.reshape(-1, *a_XCC.shape[-2:]), interpret).reshape(a_XCC.shape)
+  """(I + tril(A, −1))⁻¹ [..., C, C] of float32 A, C a multiple of 16, computed in float32 and stored in `dtype`,
+  the matmul operand type of everything that reads it (its backward too)."""
+  return _inverse(a_XCC.reshape(-1, *a_XCC.shape[-2:]), dtype, interpret).reshape(a_XCC.shape)
 
 
 def _unit_lower_inverse_fwd(a_XCC, dtype, interpret):
@@ -159,19 +161,19 @@ def block_v(b, h, v):
 
 
 def _specs(n, c, k, block):
-  """BlockSpecs over the grid (row, head, block of V) of whole-sequence slices: [B, N, C, H, ·] chunk tensors by
-  key columns or by V block, [B, N, H, K, V] per-chunk states, [B, H, N] decays, [B, H, K, V] states."""
+  """BlockSpecs over the grid (row, head, block of V) of whole-sequence slices: [B, H, N, C, ·] chunk tensors by
+  key columns or by V block, [B, H, N, K, V] per-chunk states, [B, H, N] decays, [B, H, K, V] states."""
   sq = pl.squeezed
   return dict(
-      chunk_k=pl.BlockSpec((sq, n, c, sq, k), lambda bi, hi, ji: (bi, 0, 0, hi, 0)),
-      chunk_v=pl.BlockSpec((sq, n, c, sq, block), lambda bi, hi, ji: (bi, 0, 0, hi, ji)),
-      states=pl.BlockSpec((sq, n, sq, k, block), lambda bi, hi, ji: (bi, 0, hi, 0, ji)),
+      chunk_k=pl.BlockSpec((sq, sq, n, c, k), lambda bi, hi, ji: (bi, hi, 0, 0, 0)),
+      chunk_v=pl.BlockSpec((sq, sq, n, c, block), lambda bi, hi, ji: (bi, hi, 0, 0, ji)),
+      states=pl.BlockSpec((sq, sq, n, k, block), lambda bi, hi, ji: (bi, hi, 0, 0, ji)),
       decay=pl.BlockSpec((sq, sq, n), lambda bi, hi, ji: (bi, hi, 0)),
       state=pl.BlockSpec((sq, sq, k, block), lambda bi, hi, ji: (bi, hi, 0, ji)))
 
 
 def _grid_and_specs(kd, u):
-  b, n, c, h, k = kd.shape
+  b, h, n, c, k = kd.shape
   v = u.shape[-1]
   block = block_v(b, h, v)
   return (b, h, v // block), _specs(n, c, k, block)
@@ -179,13 +181,13 @@ def _grid_and_specs(kd, u):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def state_pass(kd, w, u, decay, state, dtype, interpret):
-  """The loop over chunks: (S_n [B, N, H, K, V] the state entering each chunk, in `dtype`; V_new [B, N, C, H, V] in
-  `dtype`; the final state [B, H, K, V] float32), from Kd, W [B, N, C, H, K] and U [B, N, C, H, V] in `dtype`, the
+  """The loop over chunks: (S_n [B, H, N, K, V] the state entering each chunk, in `dtype`; V_new [B, H, N, C, V] in
+  `dtype`; the final state [B, H, K, V] float32), from Kd, W [B, H, N, C, K] and U [B, H, N, C, V] in `dtype`, the
   decays [B, H, N] and the initial state [B, H, K, V], float32."""
-  b, n, c, h, k = kd.shape
+  b, h, n, c, k = kd.shape
   v = u.shape[-1]
   grid, spec = _grid_and_specs(kd, u)
-  out_shape = [jax.ShapeDtypeStruct((b, n, h, k, v), dtype), jax.ShapeDtypeStruct(u.shape, dtype),
+  out_shape = [jax.ShapeDtypeStruct((b, h, n, k, v), dtype), jax.ShapeDtypeStruct(u.shape, dtype),
                jax.ShapeDtypeStruct(state.shape, jnp.float32)]
   kernel = functools.partial(_state_forward_kernel, num_chunks=n, dtype=dtype)
   return _call(kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["chunk_v"], spec["decay"], spec["state"]],
@@ -201,7 +203,7 @@ def _state_pass_fwd(kd, w, u, decay, state, dtype, interpret):
 def _state_pass_bwd(dtype, interpret, residuals, cotangents):
   kd, w, decay, states, vnew = residuals
   dstates, dvnew_in, dfinal = cotangents
-  n = kd.shape[1]
+  n = kd.shape[2]
   grid, spec = _grid_and_specs(kd, vnew)
   out_shape = [jax.ShapeDtypeStruct(states.shape, dtype), jax.ShapeDtypeStruct(vnew.shape, dtype),
                jax.ShapeDtypeStruct(dfinal.shape, jnp.float32)]
@@ -211,9 +213,9 @@ def _state_pass_bwd(dtype, interpret, residuals, cotangents):
                      spec["state"]], [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
       "gated_delta_state_backward")(kd, w, decay, dstates, dvnew_in, dfinal)
   mm = functools.partial(operand_einsum, dtype=dtype)
-  dkd = mm("bnchv,bnhkv->bnchk", vnew, dcarry)
-  dw = -mm("bnchv,bnhkv->bnchk", dvnew, states)
-  ddecay = jnp.moveaxis(jnp.sum(states.astype(jnp.float32) * dcarry.astype(jnp.float32), axis=(-2, -1)), 1, 2)
+  dkd = mm("bhncv,bhnkv->bhnck", vnew, dcarry)
+  dw = -mm("bhncv,bhnkv->bhnck", dvnew, states)
+  ddecay = jnp.sum(states.astype(jnp.float32) * dcarry.astype(jnp.float32), axis=(-2, -1))
   return dkd.astype(kd.dtype), dw.astype(w.dtype), dvnew, ddecay, dstate
 
 
@@ -221,68 +223,79 @@ state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
 class _HeadChunks(NamedTuple):
-  """The kernel path's inputs in chunks: q and k at their key heads (value head h = key head g, repeat r)."""
-  q_BNCGK: jax.Array  # normalised, in the operand dtype
-  k_BNCGK: jax.Array
-  v_BNCGRV: jax.Array
-  gamma_BNCGR: jax.Array  # Γ, the chunk's cumulative log decay, float32
-  beta_BNCGR: jax.Array
+  """The kernel path's inputs in chunks, head-major ([B, H, N, C, ·]: every matmul's batch dimensions lead, so XLA
+  moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
+  q_BGNCK: jax.Array  # normalised, in the operand dtype
+  k_BGNCK: jax.Array
+  v_BGRNCV: jax.Array
+  gamma_BGRNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
+  beta_BGRNC: jax.Array
+
+
+def _head_major(x_BS_, chunk_size):
+  """[B, S, H, ...] → [B, H, N, C, ...] (one transpose), right-padding S to a multiple of C."""
+  x_BHS_ = jnp.moveaxis(x_BS_, 2, 1)
+  pad = -x_BHS_.shape[2] % chunk_size
+  x_BHS_ = jnp.pad(x_BHS_, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BHS_.ndim - 3))
+  return x_BHS_.reshape(*x_BHS_.shape[:2], -1, chunk_size, *x_BHS_.shape[3:])
 
 
 def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype):
   b, _, hk, _ = k.shape
   hv, dv = v.shape[2:]
   q_BSGK, k_BSGK = gdc.normalize_qk(q, k, hv, l2_normalize)
-  q_BNCGK, k_BNCGK = (gdc.to_chunks(x, chunk_size).astype(dtype) for x in (q_BSGK, k_BSGK))
-  n = q_BNCGK.shape[1]
-  by_key_head = lambda x_BSH: gdc.to_chunks(x_BSH.astype(jnp.float32), chunk_size).reshape(b, n, chunk_size, hk, -1)
-  return _HeadChunks(q_BNCGK, k_BNCGK, gdc.to_chunks(v, chunk_size).reshape(b, n, chunk_size, hk, hv // hk, dv),
-                     jnp.cumsum(by_key_head(g), axis=2), by_key_head(beta))
+  q_BGNCK, k_BGNCK = (_head_major(x.astype(dtype), chunk_size) for x in (q_BSGK, k_BSGK))
+  n = q_BGNCK.shape[2]
+  by_key_head = lambda x_BSH: _head_major(x_BSH.astype(jnp.float32), chunk_size).reshape(b, hk, -1, n, chunk_size)
+  return _HeadChunks(q_BGNCK, k_BGNCK, _head_major(v, chunk_size).reshape(b, hk, hv // hk, n, chunk_size, dv),
+                     jnp.cumsum(by_key_head(g), axis=-1), by_key_head(beta))
 
 
 def _per_position(x_BNC):
-  return x_BNC[..., None, None]  # [B, N, C, 1, 1] against [B, N, C, G, R]
+  return x_BNC[:, None, None]  # [B, 1, 1, N, C] against [B, G, R, N, C]
 
 
-def _scaled(x_BNCGK, scale_BNCGR, dtype):
-  return (x_BNCGK[:, :, :, :, None] * scale_BNCGR[..., None]).astype(dtype)
+def _scaled(x_BGNCK, scale_BGRNC, dtype):
+  return (x_BGNCK[:, :, None] * scale_BGRNC[..., None]).astype(dtype)
 
 
-def _wy(x, masks, decay_BNGRCC, dtype):
-  """(U, W) [B, N, C, G, R, ·] in `dtype`: (I + A)⁻¹ times βV and times the decayed K, the inverse a kernel."""
+def _wy(x, masks, decay_BGRNCC, dtype):
+  """(U, W) [B, G, R, N, C, ·] in `dtype`: (I + A)⁻¹ times βV and times the decayed K, the inverse a kernel."""
   mm = functools.partial(operand_einsum, dtype=dtype)
-  kk_BNG1CC = mm("bncgk,bnsgk->bngcs", x.k_BNCGK, x.k_BNCGK)[:, :, :, None]
-  a_BNGRCC = kk_BNG1CC * jnp.moveaxis(x.beta_BNCGR, 2, -1)[..., None] * decay_BNGRCC
-  chunk_size = a_BNGRCC.shape[-1]
-  t_BNGRCC = (_per_platform(lambda a, interpret: unit_lower_inverse(a, dtype, interpret), a_BNGRCC)
-              if chunk_size % BLOCK == 0 else gdc.unit_lower_inverse(a_BNGRCC))
-  xw_BNCGRK = _scaled(x.k_BNCGK, x.beta_BNCGR * _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
-  return (mm("bngrcs,bnsgrv->bncgrv", t_BNGRCC, x.v_BNCGRV * x.beta_BNCGR[..., None]).astype(dtype),
-          mm("bngrcs,bnsgrk->bncgrk", t_BNGRCC, xw_BNCGRK).astype(dtype))
+  kk_BG1NCC = mm("bgnck,bgnsk->bgncs", x.k_BGNCK, x.k_BGNCK)[:, :, None]
+  a_BGRNCC = kk_BG1NCC * x.beta_BGRNC[..., None] * decay_BGRNCC
+  chunk_size = a_BGRNCC.shape[-1]
+  t_BGRNCC = (_per_platform(lambda a, interpret: unit_lower_inverse(a, dtype, interpret), a_BGRNCC)
+              if chunk_size % BLOCK == 0 else gdc.unit_lower_inverse(a_BGRNCC))
+  xw_BGRNCK = _scaled(x.k_BGNCK, x.beta_BGRNC * _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BGRNC), dtype)
+  return (mm("bgrncs,bgrnsv->bgrncv", t_BGRNCC, x.v_BGRNCV * x.beta_BGRNC[..., None]).astype(dtype),
+          mm("bgrncs,bgrnsk->bgrnck", t_BGRNCC, xw_BGRNCK).astype(dtype))
 
 
 def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
   """The chunked form with the Pallas kernels (`gated_delta_kernels`): the inverses and the loop over chunks as
-  kernels, the rest XLA's batched matmuls over (row, chunk, head), q and k at their key heads; operands bfloat16
+  kernels, the rest XLA's batched matmuls over (row, head, chunk), q and k at their key heads; operands bfloat16
   unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
   dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
   x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
   masks = gdc.chunk_masks(seg_BS, chunk_size)
-  b, n, c, hk, r, dv = x.v_BNCGRV.shape
-  decay_BNGRCC = gdc.decays(jnp.moveaxis(x.gamma_BNCGR, 2, -1), masks.sees_BNCC[:, :, None, None])
-  u_BNCGRV, w_BNCGRK = _wy(x, masks, decay_BNGRCC, dtype)
-  gamma_end_BNGR = x.gamma_BNCGR[:, :, -1]
-  kd_BNCGRK = _scaled(x.k_BNCGK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BNGR[:, :, None]
-                                                                           - x.gamma_BNCGR), dtype)
-  decay_BHN = jnp.moveaxis((masks.keeps_BN[..., None, None] * jnp.exp(gamma_end_BNGR)).reshape(b, n, -1), 1, 2)
-  heads = lambda x_BNCGR_: x_BNCGR_.reshape(b, n, c, hk * r, -1)
-  states_BNHKV, vnew_BNCHV, state_BHKV = _per_platform(
-      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BNCGRK), heads(w_BNCGRK), heads(u_BNCGRV), decay_BHN,
+  b, hk, r, n, c, dv = x.v_BGRNCV.shape
+  decay_BGRNCC = gdc.decays(x.gamma_BGRNC, masks.sees_BNCC[:, None, None])
+  u_BGRNCV, w_BGRNCK = _wy(x, masks, decay_BGRNCC, dtype)
+  gamma_end_BGRN = x.gamma_BGRNC[..., -1]
+  kd_BGRNCK = _scaled(x.k_BGNCK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BGRN[..., None]
+                                                                           - x.gamma_BGRNC), dtype)
+  decay_BHN = (masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)).reshape(b, hk * r, n)
+  heads = lambda x_BGR_: x_BGR_.reshape(b, hk * r, *x_BGR_.shape[3:])
+  states_BHNKV, vnew_BHNCV, state_BHKV = _per_platform(
+      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), heads(w_BGRNCK), heads(u_BGRNCV), decay_BHN,
       state_BHKV)
 
   mm = functools.partial(operand_einsum, dtype=dtype)
-  qd_BNCGRK = _scaled(x.q_BNCGK, _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BNCGR), dtype)
-  p_BNGRCC = mm("bncgk,bnsgk->bngcs", x.q_BNCGK, x.k_BNCGK)[:, :, :, None] * decay_BNGRCC
-  o_BNCGRV = (mm("bncgrk,bngrkv->bncgrv", qd_BNCGRK, states_BNHKV.reshape(b, n, hk, r, *states_BNHKV.shape[-2:]))
-              + mm("bngrcs,bnsgrv->bncgrv", p_BNGRCC, vnew_BNCHV.reshape(b, n, c, hk, r, dv)))
-  return o_BNCGRV.reshape(b, n * c, hk * r, dv)[:, :v.shape[1]].astype(v.dtype), state_BHKV
+  groups = lambda x_BH_: x_BH_.reshape(b, hk, r, *x_BH_.shape[2:])
+  qd_BGRNCK = _scaled(x.q_BGNCK, _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BGRNC), dtype)
+  p_BGRNCC = mm("bgnck,bgnsk->bgncs", x.q_BGNCK, x.k_BGNCK)[:, :, None] * decay_BGRNCC
+  o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
+              + mm("bgrncs,bgrnsv->bgrncv", p_BGRNCC, groups(vnew_BHNCV)))
+  o_BSHV = jnp.moveaxis(o_BGRNCV.reshape(b, hk * r, n * c, dv), 1, 2)
+  return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
