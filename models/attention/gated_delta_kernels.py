@@ -1,6 +1,7 @@
 """The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): `kernel_chunked_forward`, the
-chunked form (`gated_delta`'s docstring) as XLA's batched matmuls over (row, chunk, head), q and k at their key
-heads, differentiated by autodiff, around two Pallas (Triton) kernels for what batched matmuls cannot do, each with
+chunked form (`gated_delta`'s docstring) as XLA's batched matmuls over (row, head, chunk) in head-major layout
+([B, H, N, C, ·], so that no matmul's operands or result need moving), q and k at their key heads, differentiated
+by autodiff, around two Pallas (Triton) kernels for what batched matmuls cannot do, each with
 its own VJP:
 
 - `unit_lower_inverse`: T = (I + A)⁻¹ of each chunk's strictly lower A [C, C], one program per matrix. The diagonal
