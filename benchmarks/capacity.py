@@ -194,12 +194,16 @@ def _step(r):
 
 def summary(data):
   """The line people read: per variant, the longest sequence over the settings on real GPUs (not a topology):
-  a limit counts where its real step, if one was run, trained, and the size above it where its step trained.
+  a limit counts where its real step, if one was run, trained, and the size above it where its step trained. The
+  all-to-all (the baseline) also takes a longer limit from a compile-only search on as many GPUs: code newer than
+  its real steps may fit more, and a baseline gets every chance; the ring takes real steps only.
   Under context parallelism: the deepest setting on the most GPUs, compile-only included."""
   if data.get("context_parallel"):
     return _context_parallel_summary(data)
   local = [s for s in data["settings"] if not s.get("topology")] or data["settings"][:1]
-  seq = {v: max([_longest(s["variants"].get(v, {})) for s in local] or [0]) for v in VARIANTS}
+  alike = local + [s for s in data["settings"] if s.get("topology") and s.get("gpus") == local[0].get("gpus")]
+  seq = {v: max([_longest(s["variants"].get(v, {})) for s in (local if v == "ring" else alike)] or [0])
+         for v in VARIANTS}
   local = local[0]
   ratio = seq.get("ring", 0) / seq["a2a_dropless"] if seq.get("a2a_dropless") else float("nan")
   return (f"summary: capacity model={_model(data)} gpus={local['gpus']} ring_max_seq={seq.get('ring', 0)} "

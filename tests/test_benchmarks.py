@@ -262,6 +262,20 @@ def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
   assert "| 1x1x8 compile-only 4 layers | ring | 1048576 |" in text
 
 
+def test_capacity_summary_gives_the_all_to_all_a_longer_compile_only_limit_on_as_many_gpus():
+  """Code newer than the all-to-all's real steps may fit it further: a compile-only search on one GPU raises its
+  limit in the summary, never the ring's (compile-only from a CPU host has read 30 GiB under a GPU's own compile
+  for the ring)."""
+  local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(
+      ring=_capacity_found(999424, True), a2a_dropless=_capacity_found(237568, True),
+      a2a_cf1=_capacity_found(237568, True)))
+  newer = dict(name="1x1x1 compile-only 4 layers", layers=4, gpus=1, topology="1x1x1", variants=dict(
+      ring=_capacity_found(1392640), a2a_dropless=_capacity_found(344064), a2a_cf1=_capacity_found(344064)))
+  data = dict(command="python -m benchmarks.capacity", machine={}, settings=[local, newer])
+  assert capacity.summary(data) == ("summary: capacity model=qwen3_30b gpus=1 ring_max_seq=999424 "
+                                    "a2a_max_seq=344064 cf1_max_seq=344064 ratio=2.90")
+
+
 def test_context_parallel_capacity_summarises_the_deepest_setting_on_the_most_gpus():
   shallow = dict(name="1x1x8 compile-only 4 layers, context parallel", layers=4, gpus=8, topology="1x1x8",
                  variants=dict(ring=_capacity_found(8388608), a2a_dropless=_capacity_found(262144),
@@ -298,9 +312,9 @@ def test_capacity_confirming_step_runs_the_plan_with_its_chunk_cap():
 def test_capacity_merge_keeps_the_latest_variant_of_each_setting(tmp_path):
   def run(name, seq_len, path, variants=("ring", "a2a_dropless"), note=None, topology=None):
     found = dict(ring=_capacity_found(seq_len, True), a2a_dropless=_capacity_found(seq_len // 2, True))
-    data = dict(command=f"run {seq_len}", machine={}, settings=[dict(name=name, layers=4, gpus=1, variants={
-        v: found[v] for v in variants}, **({"note": note} if note else {}), **({"topology": topology} if topology
-                                                                                else {}))])
+    setting = dict(name=name, layers=4, gpus=8 if topology else 1, variants={v: found[v] for v in variants},
+                   **({"note": note} if note else {}), **({"topology": topology} if topology else {}))
+    data = dict(command=f"run {seq_len}", machine={}, settings=[setting])
     path.write_text(json.dumps(data))
     return str(path)
 
