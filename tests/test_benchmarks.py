@@ -246,12 +246,16 @@ def _capacity_found(seq_len, ran=None):
   return found
 
 
+def _capacity_setting(name, gpus, ring, a2a_dropless, a2a_cf1, topology=None):
+  """A setting of the capacity table: each variant a `_capacity_found` argument tuple (seq_len[, ran])."""
+  found = dict(ring=ring, a2a_dropless=a2a_dropless, a2a_cf1=a2a_cf1)
+  return dict(name=name, layers=4, gpus=gpus, variants={v: _capacity_found(*f) for v, f in found.items()},
+              **({"topology": topology} if topology else {}))
+
+
 def test_capacity_summary_counts_limits_whose_real_step_trained_on_local_gpus():
-  local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(
-      ring=_capacity_found(524288, True), a2a_dropless=_capacity_found(233472, True),
-      a2a_cf1=_capacity_found(262144, False)))
-  topology = dict(name="1x1x8 compile-only 4 layers", layers=4, gpus=8, topology="1x1x8", variants=dict(
-      ring=_capacity_found(1048576), a2a_dropless=_capacity_found(32768), a2a_cf1=_capacity_found(249856)))
+  local = _capacity_setting("1xH200 4 layers", 1, (524288, True), (233472, True), (262144, False))
+  topology = _capacity_setting("1x1x8 compile-only 4 layers", 8, (1048576,), (32768,), (249856,), "1x1x8")
   data = dict(command="python -m benchmarks.capacity", machine={}, settings=[local, topology])
   assert capacity.summary(data) == ("summary: capacity model=qwen3_30b gpus=1 ring_max_seq=524288 "
                                     "a2a_max_seq=233472 cf1_max_seq=0 ratio=2.25")
@@ -266,11 +270,8 @@ def test_capacity_summary_gives_the_all_to_all_a_longer_compile_only_limit_on_as
   """Code newer than the all-to-all's real steps may fit it further: a compile-only search on one GPU raises its
   limit in the summary, never the ring's (compile-only from a CPU host has read 30 GiB under a GPU's own compile
   for the ring)."""
-  local = dict(name="1xH200 4 layers", layers=4, gpus=1, variants=dict(
-      ring=_capacity_found(999424, True), a2a_dropless=_capacity_found(237568, True),
-      a2a_cf1=_capacity_found(237568, True)))
-  newer = dict(name="1x1x1 compile-only 4 layers", layers=4, gpus=1, topology="1x1x1", variants=dict(
-      ring=_capacity_found(1392640), a2a_dropless=_capacity_found(344064), a2a_cf1=_capacity_found(344064)))
+  local = _capacity_setting("1xH200 4 layers", 1, (999424, True), (237568, True), (237568, True))
+  newer = _capacity_setting("1x1x1 compile-only 4 layers", 1, (1392640,), (344064,), (344064,), "1x1x1")
   data = dict(command="python -m benchmarks.capacity", machine={}, settings=[local, newer])
   assert capacity.summary(data) == ("summary: capacity model=qwen3_30b gpus=1 ring_max_seq=999424 "
                                     "a2a_max_seq=344064 cf1_max_seq=344064 ratio=2.90")
