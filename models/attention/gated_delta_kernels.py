@@ -73,14 +73,13 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_war
                         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
 
 
-def _diagonal_inverse(row, rows_ss, eye_ss):
+def _diagonal_inverse(l_ss, rows_ss, eye_ss):
   """(I + L)⁻¹ of a strictly lower [16, 16] block by forward substitution: row i of T is e_i − Σ_j L_ij T_j (rows
-  below i are still e_j, and L_ij = 0 there); `row(i)` loads row i of the block [16] (a load, not a reduction)."""
+  below i are still e_j, and L_ij = 0 there)."""
   t_ss = eye_ss
-  cols_s = lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-  for i in range(1, BLOCK):
-    l_s = jnp.where(cols_s < i, row(i), 0.0)
-    t_ss = t_ss - jnp.where(rows_ss == i, jnp.sum(l_s[:, None] * t_ss, axis=0)[None, :], 0.0)
+  for i in range(1, l_ss.shape[0]):
+    l_i = jnp.sum(jnp.where(rows_ss == i, l_ss, 0.0), axis=0)
+    t_ss = t_ss - jnp.where(rows_ss == i, jnp.sum(l_i[:, None] * t_ss, axis=0)[None, :], 0.0)
   return t_ss
 
 
@@ -90,8 +89,8 @@ def _inverse_kernel(a_ref, t_ref):
   cols_ss = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
   eye_ss = (rows_ss == cols_ss).astype(jnp.float32)
   a = lambda i, j: a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(jnp.float32)
-  row = lambda i: lambda r: a_ref[i * BLOCK + r, pl.ds(i * BLOCK, BLOCK)].astype(jnp.float32)
-  t = {(i, i): _diagonal_inverse(row(i), rows_ss, eye_ss) for i in range(blocks)}
+  t = {(i, i): _diagonal_inverse(jnp.where(rows_ss > cols_ss, a(i, i), 0.0), rows_ss, eye_ss)
+       for i in range(blocks)}
   for i in range(1, blocks):
     for j in range(i - 1, -1, -1):
       below = sum(_dot(a(i, m), t[m, j], jnp.float32) for m in range(j, i))
