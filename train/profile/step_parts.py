@@ -3,7 +3,8 @@ to the HLO instruction it ran (the trace's `hlo_op`), and that instruction to a 
 `op_name` metadata (`models/qwen3/model.py`'s `lm_head`, `attention`, `moe`, `router`, `projection`, `norm`, `rope`;
 `models/qwen35/deltanet.py`'s `deltanet`; `train/step.py`'s `optimizer`), read from the compiled executable's HLO text. Its opcode decides the rest:
 collectives are communication wherever they sit, copies are copies, and inside `moe` the matmuls (outside
-`router`) are the grouped matmuls.
+`router`) are the grouped matmuls. In a CUDA graph, where XLA names kernels after their fusions only, a Pallas
+(Triton) kernel is found by the name its custom call gives it, and the libraries' kernels by their library.
 
 Needs op_name metadata with the full name stack: compile with `full_op_names()`.
 """
@@ -41,6 +42,7 @@ class Instruction(NamedTuple):
   op_name: str  # the metadata's: "jit(train_step)/transpose(jvp(...))/.../moe/..."
   contains: frozenset  # opcodes inside the computations it calls (fusions, async wrappers), recursively
   target: str = ""  # a custom call's custom_call_target
+  kernel: str = ""  # a Triton custom call's kernel name (a Pallas kernel's `name`), from its backend_config
 
 
 @contextlib.contextmanager
@@ -64,6 +66,7 @@ _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_KERNEL = re.compile(r'\bname = "([^"]+)"')  # in a Triton custom call's backend_config (op_name="..." has no spaces)
 
 
 def _opcode(rest):
@@ -95,21 +98,23 @@ def parse_hlo(text):
       opcode = "dot"  # a matmul kernel: counts as one
     calls = [c.strip(" {}%") for m in _CALLS.finditer(line) for c in m.group(1).split(",")]
     op_name = _OP_NAME.search(line)
-    raw[name.group(1)] = (opcode, op_name.group(1) if op_name else "", calls, target.group(1) if target else "")
+    kernel = _KERNEL.search(line) if opcode == "custom-call" else None
+    raw[name.group(1)] = (opcode, op_name.group(1) if op_name else "", calls, target.group(1) if target else "",
+                          kernel.group(1) if kernel else "")
     members[computation].append(name.group(1))
 
   @functools.cache
   def contained(computation):
     found = set()
     for member in members.get(computation, ()):
-      opcode, _, calls, _ = raw[member]
+      opcode, _, calls, *_ = raw[member]
       found.add(opcode)
       for called in calls:
         found |= contained(called)
     return frozenset(found)
 
-  return {name: Instruction(opcode, op_name, frozenset().union(*map(contained, calls)), target)
-          for name, (opcode, op_name, calls, target) in raw.items()}
+  return {name: Instruction(opcode, op_name, frozenset().union(*map(contained, calls)), target, kernel)
+          for name, (opcode, op_name, calls, target, kernel) in raw.items()}
 
 
 def _base(opcode):
@@ -122,7 +127,7 @@ def part_of(instruction, event_name=""):
     lower = event_name.lower()
     return "copy" if "memcpy" in lower or "memset" in lower else "communication" if "nccl" in lower else (
         "unattributed")
-  opcode, op_name, contains, _ = instruction
+  opcode, op_name, contains, *_ = instruction
   if opcode in CONTAINERS:
     return None
   if _base(opcode) in COLLECTIVES or (opcode.startswith("async") and {_base(o) for o in contains} & COLLECTIVES):
@@ -149,6 +154,21 @@ def _library_parts(instructions):
     if library:
       parts[library].add(part_of(instruction))
   return {library: part for library, (part, *more) in parts.items() if not more}
+
+
+def _kernel_parts(instructions):
+  """{kernel name: its custom calls' one part} for the Triton kernels (Pallas') named in the step's custom calls whose
+  calls all lie in one part (the DeltaNet's): in a CUDA graph their kernels are named so, not after an instruction.
+  (XLA adds "__1", "__2" to a second kernel of the same name: `_kernel_name` removes it.)"""
+  parts = collections.defaultdict(set)
+  for instruction in instructions.values():
+    if instruction.kernel:
+      parts[instruction.kernel].add(part_of(instruction))
+  return {kernel: part for kernel, (part, *more) in parts.items() if not more}
+
+
+def _kernel_name(event_name):
+  return re.sub(r"__\d+$", "", event_name)
 
 
 def _unnamed_graph_kernel_part(named_parts):
@@ -203,12 +223,13 @@ def step_parts(events, hlo_text, steps, wall_s):
       count(event, part, op)
       if in_graph:
         graph_parts[event.hlo_op][part] += event.dur_us
-  library_parts = _library_parts(instructions)
+  library_parts, kernel_parts = _library_parts(instructions), _kernel_parts(instructions)
   for event in unnamed:
     part = part_of(None, event.name)
     if part == "unattributed":
       library = next((lib for lib in LIBRARIES if lib in event.name.lower()), None)
-      part = library_parts.get(library) or _unnamed_graph_kernel_part(graph_parts[event.hlo_op])
+      part = (kernel_parts.get(_kernel_name(event.name)) or library_parts.get(library)
+              or _unnamed_graph_kernel_part(graph_parts[event.hlo_op]))
     count(event, part, event.name)
   step_ms = wall_s * 1e3 / steps
   busy_ms = union_us(spans) / 1e3 / steps
