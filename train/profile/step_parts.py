@@ -145,26 +145,26 @@ def part_of(instruction, event_name=""):
 LIBRARIES = ("cudnn", "mosaic")  # kernels named after their library, as are the custom calls that launch them
 
 
+def _sole_parts(keyed):
+  """{key: part} of the (key, instruction) pairs whose instructions under that key all lie in one part."""
+  parts = collections.defaultdict(set)
+  for key, instruction in keyed:
+    parts[key].add(part_of(instruction))
+  return {key: part for key, (part, *more) in parts.items() if not more}
+
+
 def _library_parts(instructions):
   """{library: its custom calls' one part} for each of LIBRARIES whose custom calls in the step all lie in one part
   (cuDNN's attention, the MoE's Mosaic GPU kernels): its kernels in a CUDA graph take that part."""
-  parts = collections.defaultdict(set)
-  for instruction in instructions.values():
-    library = next((lib for lib in LIBRARIES if lib in instruction.target.lower()), None)
-    if library:
-      parts[library].add(part_of(instruction))
-  return {library: part for library, (part, *more) in parts.items() if not more}
+  return _sole_parts((library, instruction) for instruction in instructions.values()
+                     for library in LIBRARIES if library in instruction.target.lower())
 
 
 def _kernel_parts(instructions):
   """{kernel name: its custom calls' one part} for the Triton kernels (Pallas') named in the step's custom calls whose
   calls all lie in one part (the DeltaNet's): in a CUDA graph their kernels are named so, not after an instruction.
   (XLA adds "__1", "__2" to a second kernel of the same name: `_kernel_name` removes it.)"""
-  parts = collections.defaultdict(set)
-  for instruction in instructions.values():
-    if instruction.kernel:
-      parts[instruction.kernel].add(part_of(instruction))
-  return {kernel: part for kernel, (part, *more) in parts.items() if not more}
+  return _sole_parts((i.kernel, i) for i in instructions.values() if i.kernel)
 
 
 def _kernel_name(event_name):
