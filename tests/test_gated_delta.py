@@ -155,8 +155,8 @@ def test_a_row_in_spans_is_the_whole_row(state_kernel):
 
 
 def test_the_kernels_lower_to_triton_for_a_gpu():
-  """Pallas' Triton lowering of the kernel path's three kernels, forward and backward, bfloat16 at the 35B model's
-  head sizes, run here by exporting the jitted gradient for CUDA (no GPU needed; a program lowered for CUDA takes the
+  """Pallas' Triton lowering of the kernel path's four kernels, forward and backward, bfloat16 at the 35B model's
+  head sizes, run here by exporting the jitted loss and gradient for CUDA (no GPU needed; a program lowered for CUDA takes the
   kernels whatever machine lowers it): what a GPU would first refuse (an op with no Triton lowering, a load whose
   size is not a power of 2). Triton's own compilation is `pytest -m gpu`'s. Mutants killed: a state-pass block of 48
   columns; the interpreter chosen by the lowering machine's backend (no kernel in the program)."""
@@ -169,12 +169,13 @@ def test_the_kernels_lower_to_triton_for_a_gpu():
                                 state_kernel="pallas")
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
-  exported = export.export(jax.jit(jax.grad(loss, argnums=tuple(range(6)))), platforms=["cuda"],
+  exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))), platforms=["cuda"],
                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
       bf16(b, s, hk, k), bf16(b, s, hk, k), bf16(b, s, hv, k), f32(b, s, hv), f32(b, s, hv), f32(b, hv, k, k),
       jax.ShapeDtypeStruct((b, s), jnp.int32))
   kernels = set(re.findall(r'name = "(gated_delta_\w+)"', exported.mlir_module()))
-  assert kernels == {"gated_delta_unit_lower_inverse", "gated_delta_state_forward", "gated_delta_state_backward"}
+  assert kernels == {"gated_delta_chunk_wy", "gated_delta_state_forward", "gated_delta_state_backward",
+                     "gated_delta_chunk_output"}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])

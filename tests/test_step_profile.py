@@ -80,8 +80,8 @@ ENTRY %main.1 (Arg_0.1: bf16[64,32], Arg_1.1: bf16[32,16]) -> bf16[64,16] {{
   %collective-permute-start.12 = (bf16[64,32]{{1,0}}, bf16[64,32]{{1,0}}) collective-permute-start(%a), channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{op_name="{STEP}/moe/shard_map/ppermute"}}
   %all-reduce-start.13 = f32[8]{{0}} all-reduce-start(%g), channel_id=2, replica_groups={{}}, to_apply=%add, metadata={{op_name="{STEP}/lm_head/psum"}}
   %while.14 = (s32[], bf16[64,32]{{1,0}}) while(%t), condition=%cond, body=%body
-  %pallas_call.15 = bf16[8,64,64]{{2,1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="{STEP}/deltanet/pallas_call" scheduling_name="pallas_call.15"}}, backend_config={{debug_options=x, name = "gated_delta_unit_lower_inverse", num_stages = 1 : i32}}
-  %pallas_call.16 = bf16[8,64,64]{{2,1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="{STEP}/checkpoint/deltanet/pallas_call"}}, backend_config={{name = "gated_delta_unit_lower_inverse", num_stages = 1 : i32}}
+  %pallas_call.15 = bf16[8,64,64]{{2,1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="{STEP}/deltanet/pallas_call" scheduling_name="pallas_call.15"}}, backend_config={{debug_options=x, name = "gated_delta_chunk_wy", num_stages = 1 : i32}}
+  %pallas_call.16 = bf16[8,64,64]{{2,1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="{STEP}/checkpoint/deltanet/pallas_call"}}, backend_config={{name = "gated_delta_chunk_wy", num_stages = 1 : i32}}
   ROOT %wrapped_exp = bf16[64,16]{{1,0}} fusion(%a), kind=kLoop, calls=%fused_swiglu, metadata={{op_name="{STEP}/jit(silu)/exp"}}
 }}
 """
@@ -120,8 +120,8 @@ KERNELS = [("sm90_gemm_grouped", "gemm_fusion.2", 0, 1000, "moe_matmul"),
            # A Pallas (Triton) kernel in a graph takes its custom calls' part, found by the kernel's name (XLA's
            # "__1" suffix on a second of the name removed), not the part that holds most of the graph's time.
            ("loop_multiply_fusion", "command_buffer.8", 19300, 300, "moe_other"),
-           ("gated_delta_unit_lower_inverse", "command_buffer.8", 19600, 200, "deltanet"),
-           ("gated_delta_unit_lower_inverse__1", "command_buffer.8", 19800, 100, "deltanet"),
+           ("gated_delta_chunk_wy", "command_buffer.8", 19600, 200, "deltanet"),
+           ("gated_delta_chunk_wy__1", "command_buffer.8", 19800, 100, "deltanet"),
            ("some_kernel", "fusion.999", 13000, 500, "unattributed")]  # no such HLO instruction
 
 

@@ -1,12 +1,13 @@
 """The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): `kernel_chunked_forward`, the
-chunked form (`gated_delta`'s docstring) as XLA's batched matmuls over (row, head, chunk) in head-major layout
-([B, H, N, C, ·], so that no matmul's operands or result need moving), q and k at their key heads, differentiated
-by autodiff, around two Pallas (Triton) kernels for what batched matmuls cannot do, each with
-its own VJP:
+chunked form (`gated_delta`'s docstring) in head-major layout ([B, H, N, C, ·]: no matmul's operands or result need
+moving), q and k at their key heads, as three Pallas (Triton) kernels, each with its own VJP, and XLA's elementwise
+work around them (normalising q and k, Γ, the decayed keys):
 
-- `unit_lower_inverse`: T = (I + A)⁻¹ of each chunk's strictly lower A [C, C], one program per matrix. The diagonal
-  blocks of 16 by forward substitution, the blocks below them by T_ij = −T_ii Σ_{j≤m<i} A_im T_mj (exact block
-  inversion: no powers of A, whose entries a Neumann series would let grow). Backward: dA = −Tᵀ dT Tᵀ.
+- `chunk_wy`: each chunk's U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹, A = strictly lower
+  (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
+  (row, value head, chunk). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
+  inversion. Backward: U's and W's formula in XLA (`wy_xla`) differentiated, then dA = −Tᵀ dT Tᵀ through A's
+  (`chunk_a`), from T kept by the forward.
 - `state_pass`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip:
 
@@ -14,8 +15,11 @@ its own VJP:
     backward, n from the last chunk down, carrying dS (the gradient of the state leaving chunk n):
       dS_n' = dS (stored),  dV_new = ∂V_new + Kd dS,  dS ← d dS + ∂S_n − Wᵀ dV_new
 
-  with ∂ the cotangents that reach S_n and V_new from the output (O = Qd S_n + P V_new, computed by XLA). The
-  gradients of Kd, W and d contract over V, so XLA forms them from the stored S_n, dS_n', V_new and dV_new.
+  with ∂ the cotangents that reach S_n and V_new from the output. The gradients of Kd, W and d contract over V, so
+  XLA forms them from the stored S_n, dS_n', V_new and dV_new.
+- `chunk_output`: O = (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new, one program per (row, value head, chunk, 128 columns
+  of V), written straight into [B, S, H, V]; P and the decays never leave the kernel. Backward: its XLA form
+  (`output_xla`) differentiated.
 
 Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
 and the decays are float32 inside. In a program lowered for anything but CUDA the kernels run in Pallas' interpreter
@@ -25,6 +29,7 @@ Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -73,60 +78,146 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_war
                         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
 
 
-def _diagonal_inverse(l_ss, rows_ss, eye_ss):
-  """(I + L)⁻¹ of a strictly lower [16, 16] block by forward substitution: row i of T is e_i − Σ_j L_ij T_j (rows
-  below i are still e_j, and L_ij = 0 there)."""
-  t_ss = eye_ss
-  for i in range(1, l_ss.shape[0]):
-    l_i = jnp.sum(jnp.where(rows_ss == i, l_ss, 0.0), axis=0)
-    t_ss = t_ss - jnp.where(rows_ss == i, jnp.sum(l_i[:, None] * t_ss, axis=0)[None, :], 0.0)
-  return t_ss
+def _decay(gamma_r, gamma_s, sees):
+  """`gdc.decays` in a kernel: exp(Γ_r − Γ_s) where s sees r, else 0."""
+  return jnp.where(sees, jnp.exp(jnp.where(sees, gamma_r[:, None] - gamma_s[None, :], 0.0)), 0.0)
 
 
-def _inverse_kernel(a_ref, t_ref):
-  blocks = a_ref.shape[-1] // BLOCK
-  rows_ss = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-  cols_ss = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  eye_ss = (rows_ss == cols_ss).astype(jnp.float32)
-  a = lambda i, j: a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(jnp.float32)
-  t = {(i, i): _diagonal_inverse(jnp.where(rows_ss > cols_ss, a(i, i), 0.0), rows_ss, eye_ss)
-       for i in range(blocks)}
+def _iotas(size):
+  return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
+
+
+def _diagonal_inverses(l_bss):
+  """(I + L)⁻¹ of every strictly lower [16, 16] block of [blocks, 16, 16] by forward substitution, the blocks side by
+  side: row i of T is e_i − Σ_j L_ij T_j (rows below i are still e_j, and L_ij = 0 there). Each step's two
+  reductions cross threads and wait on the step before: the blocks share the 15 steps instead of taking 15 each."""
+  rows_bss = lax.broadcasted_iota(jnp.int32, l_bss.shape, 1)
+  t_bss = (rows_bss == lax.broadcasted_iota(jnp.int32, l_bss.shape, 2)).astype(jnp.float32)
+  for i in range(1, l_bss.shape[1]):
+    l_bs = jnp.sum(jnp.where(rows_bss == i, l_bss, 0.0), axis=1)
+    t_bss = t_bss - jnp.where(rows_bss == i, jnp.sum(l_bs[:, :, None] * t_bss, axis=1)[:, None, :], 0.0)
+  return t_bss
+
+
+def _inverse_blocks(a, blocks):
+  """T = (I + A)⁻¹ in float32 as {(i, j): [16, 16] block} (i ≥ j), from A's blocks a(i, j) (i ≥ j; a(i, i) strictly
+  lower). The diagonal blocks by substitution, side by side; those below them by T_ij = −T_ii Σ_{j≤m<i} A_im T_mj
+  (exact block inversion: no powers of A, whose entries a Neumann series would let grow)."""
+  a_below = {(i, j): a(i, j) for i in range(blocks) for j in range(i)}
+  block_bss = lax.broadcasted_iota(jnp.int32, (blocks, BLOCK, BLOCK), 0)
+  inverses_bss = _diagonal_inverses(sum(jnp.where(block_bss == b, a(b, b)[None], 0.0) for b in range(blocks)))
+  t = {(i, i): jnp.sum(jnp.where(block_bss == i, inverses_bss, 0.0), axis=0) for i in range(blocks)}
   for i in range(1, blocks):
     for j in range(i - 1, -1, -1):
-      below = sum(_dot(a(i, m), t[m, j], jnp.float32) for m in range(j, i))
+      below = sum(_dot(a_below[i, m], t[m, j], jnp.float32) for m in range(j, i))
       t[i, j] = -_dot(t[i, i], below, jnp.float32)
+  return t
+
+
+def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_ref, u_ref, w_ref, *, dtype):
+  """One chunk's T = (I + A)⁻¹ (float32, stored in `dtype`), U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
+  (diag(β) K Kᵀ) ⊙ D, all by blocks of 16 rows (Triton cannot slice a value, only a ref): k_ref [blocks, 16, K],
+  v_ref [blocks, 16, V], the per-position refs [blocks, 16], t_ref [blocks, 16, blocks, 16] (block (i, j) at
+  [i, :, j, :]), u_ref and w_ref as v_ref and k_ref."""
+  blocks = k_ref.shape[0]
+  rows_ss, cols_ss = _iotas(BLOCK)
+
+  def a(i, j):
+    sees = seg_ref[i][:, None] == seg_ref[j][None, :]
+    sees = sees & (rows_ss > cols_ss) if i == j else sees
+    kk = _dot(k_ref[i], k_ref[j], dtype, trans_b=True)
+    return kk * beta_ref[i][:, None] * _decay(gamma_ref[i], gamma_ref[j], sees)
+
+  t = _inverse_blocks(a, blocks)
   for i in range(blocks):
     for j in range(blocks):
-      t_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = t.get((i, j), jnp.zeros_like(eye_ss)).astype(
-          t_ref.dtype)
+      t_ref[i, :, j, :] = t.get((i, j), jnp.zeros((BLOCK, BLOCK), jnp.float32)).astype(t_ref.dtype)
+  bv = lambda j: v_ref[j].astype(jnp.float32) * beta_ref[j][:, None]
+  xw = lambda j: k_ref[j].astype(jnp.float32) * (beta_ref[j] * reads_ref[j] * jnp.exp(gamma_ref[j]))[:, None]
+  for i in range(blocks):
+    u_ref[i] = sum(_dot(t[i, j], bv(j), dtype) for j in range(i + 1)).astype(u_ref.dtype)
+    w_ref[i] = sum(_dot(t[i, j], xw(j), dtype) for j in range(i + 1)).astype(w_ref.dtype)
 
 
-def _inverse(a_MCC, dtype, interpret):
-  m, c, _ = a_MCC.shape
-  spec = pl.BlockSpec((pl.squeezed, c, c), lambda i: (i, 0, 0))
-  return _call(_inverse_kernel, (m,), [spec], spec, jax.ShapeDtypeStruct(a_MCC.shape, dtype), interpret,
-               "gated_delta_unit_lower_inverse")(a_MCC)
+def chunk_a(k_BGNCK, beta_BHNC, gamma_BHNC, seg_BNC, dtype):
+  """A [B, H, N, C, C] float32, each chunk's strictly lower (diag(β) K Kᵀ) ⊙ D, in XLA (`chunk_wy`'s backward)."""
+  b, hk, n, c, _ = k_BGNCK.shape
+  groups = lambda x_BHNC: x_BHNC.reshape(b, hk, -1, n, c)
+  sees_BNCC = (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & jnp.tril(jnp.ones((c, c), bool), -1)
+  kk_BGNCC = operand_einsum("bgnck,bgnsk->bgncs", k_BGNCK, k_BGNCK, dtype)
+  a_BGRNCC = (kk_BGNCC[:, :, None] * groups(beta_BHNC)[..., None]
+              * gdc.decays(groups(gamma_BHNC), sees_BNCC[:, None, None]))
+  return a_BGRNCC.reshape(b, -1, n, c, c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def unit_lower_inverse(a_XCC, dtype, interpret):
-  """(I + tril(A, −1))⁻¹ [..., C, C] of float32 A, C a multiple of 16, computed in float32 and stored in `dtype`,
-  the matmul operand type of everything that reads it (its backward too)."""
-  return _inverse(a_XCC.reshape(-1, *a_XCC.shape[-2:]), dtype, interpret).reshape(a_XCC.shape)
-
-
-def _unit_lower_inverse_fwd(a_XCC, dtype, interpret):
-  t_XCC = unit_lower_inverse(a_XCC, dtype, interpret)
-  return t_XCC, t_XCC
-
-
-def _unit_lower_inverse_bwd(dtype, interpret, t_XCC, dt_XCC):
+def wy_xla(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, dtype):
+  """(U, W) [B, H, N, C, ·] in `dtype` from T in XLA (`chunk_wy`'s backward)."""
+  b, hk, n, c, _ = k_BGNCK.shape
+  groups = lambda x_BH_: x_BH_.reshape(b, hk, -1, *x_BH_.shape[2:])
+  heads = lambda x_BGR_: x_BGR_.reshape(b, -1, *x_BGR_.shape[3:])
   mm = functools.partial(operand_einsum, dtype=dtype)
-  da_XCC = -mm("...rt,...ut->...ru", mm("...sr,...st->...rt", t_XCC, dt_XCC), t_XCC)  # −Tᵀ dT Tᵀ
-  return (jnp.tril(da_XCC, -1),)
+  beta_BGRNC = groups(beta_BHNC)
+  xw_BGRNCK = _scaled(k_BGNCK, beta_BGRNC * reads_BNC[:, None, None] * jnp.exp(groups(gamma_BHNC)), dtype)
+  u_BGRNCV = mm("bgrncs,bgrnsv->bgrncv", groups(t_BHNCC), groups(v_BHNCV) * beta_BGRNC[..., None])
+  w_BGRNCK = mm("bgrncs,bgrnsk->bgrnck", groups(t_BHNCC), xw_BGRNCK)
+  return heads(u_BGRNCV).astype(dtype), heads(w_BGRNCK).astype(dtype)
 
 
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+def takes_the_kernels(chunk_size):
+  """Triton's tensors have power-of-2 sides, and the inverse's blocks are 16 wide."""
+  return chunk_size >= BLOCK and chunk_size & (chunk_size - 1) == 0
+
+
+def _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
+  b, hk, n, c, k = k_BGNCK.shape
+  h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
+  blocks, sq = c // BLOCK, pl.squeezed
+  by_value_head = lambda width: pl.BlockSpec((sq, sq, sq, blocks, BLOCK, width),
+                                             lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0))
+  per_position = pl.BlockSpec((sq, sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
+  per_row_position = pl.BlockSpec((sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, ni, 0, 0))
+  in_specs = [pl.BlockSpec((sq, sq, sq, blocks, BLOCK, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0, 0)),
+              by_value_head(v), per_position, per_position, per_row_position, per_row_position]
+  t_view = (b, h, n, blocks, BLOCK, blocks, BLOCK)
+  out_specs = [pl.BlockSpec((sq, sq, sq) + t_view[3:], lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0, 0)),
+               by_value_head(v), by_value_head(k)]
+  out_shape = [jax.ShapeDtypeStruct(t_view, dtype), jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, v), dtype),
+               jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, k), dtype)]
+  by_blocks = lambda x: x.reshape(*x.shape[:3], blocks, BLOCK, *x.shape[4:])
+  t, u, w = _call(functools.partial(_chunk_wy_kernel, dtype=dtype), (b, h, n), in_specs, out_specs, out_shape,
+                  interpret, "gated_delta_chunk_wy")(
+                      k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
+                      by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
+  return t.reshape(b, h, n, c, c), u.reshape(b, h, n, c, v), w.reshape(b, h, n, c, k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
+  """(U, W) [B, H, N, C, ·] in `dtype`, U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹ and A each chunk's
+  (`chunk_a`), all in one kernel, one program per (row, value head, chunk): from the keys [B, G, N, C, K] and values
+  [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and the documents [B, N, C]. T in float32 inside,
+  rounded to `dtype` where a matmul reads it."""
+  return _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret)[1:]
+
+
+def _chunk_wy_fwd(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
+  t_BHNCC, u_BHNCV, w_BHNCK = _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret)
+  return (u_BHNCV, w_BHNCK), (k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC)
+
+
+def _chunk_wy_bwd(dtype, interpret, residuals, cotangents):
+  k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC = residuals
+  _, wy_vjp = jax.vjp(lambda t, k, v, beta, gamma: wy_xla(t, k, v, beta, gamma, reads_BNC, dtype),
+                      t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC)
+  dt_BHNCC, dk_BGNCK, dv_BHNCV, dbeta_BHNC, dgamma_BHNC = wy_vjp(cotangents)
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  da_BHNCC = -mm("...rt,...ut->...ru", mm("...sr,...st->...rt", t_BHNCC, dt_BHNCC), t_BHNCC)  # −Tᵀ dT Tᵀ
+  _, a_vjp = jax.vjp(lambda *x: chunk_a(*x, seg_BNC, dtype), k_BGNCK, beta_BHNC, gamma_BHNC)
+  da_k, da_beta, da_gamma = a_vjp(da_BHNCC)
+  return dk_BGNCK + da_k, dv_BHNCV, dbeta_BHNC + da_beta, dgamma_BHNC + da_gamma, None, None
+
+
+chunk_wy.defvjp(_chunk_wy_fwd, _chunk_wy_bwd)
 
 
 def _state_forward_kernel(kd_ref, w_ref, u_ref, decay_ref, state_ref, states_ref, vnew_ref, final_ref, *,
@@ -223,6 +314,71 @@ def _state_pass_bwd(dtype, interpret, residuals, cotangents):
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
+def _output_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, o_ref, *, dtype):
+  """One chunk's O [C, J] = (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new."""
+  gamma_C, seg_C = gamma_ref[...], seg_ref[...]
+  rows_CC, cols_CC = _iotas(gamma_C.shape[0])
+  sees_CC = (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC)
+  q_CK = q_ref[...]
+  qd_CK = q_CK.astype(jnp.float32) * (reads_ref[...] * jnp.exp(gamma_C))[:, None]
+  p_CC = _dot(q_CK, k_ref[...], dtype, trans_b=True) * _decay(gamma_C, gamma_C, sees_CC)
+  o_ref[...] = (_dot(qd_CK, states_ref[...], dtype) + _dot(p_CC, vnew_ref[...], dtype)).astype(o_ref.dtype)
+
+
+def output_xla(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, out_dtype, dtype):
+  """`chunk_output` in XLA, [B, N·C, H, V]: its backward differentiates it."""
+  b, hk, n, c, _ = q_BGNCK.shape
+  h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
+  groups = lambda x_BH_: x_BH_.reshape(b, hk, h // hk, *x_BH_.shape[2:])
+  mm = functools.partial(operand_einsum, dtype=dtype)
+  gamma_BGRNC = groups(gamma_BHNC)
+  sees_BNCC = (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & jnp.tril(jnp.ones((c, c), bool))
+  qd_BGRNCK = _scaled(q_BGNCK, reads_BNC[:, None, None] * jnp.exp(gamma_BGRNC), dtype)
+  p_BGRNCC = mm("bgnck,bgnsk->bgncs", q_BGNCK, k_BGNCK)[:, :, None] * gdc.decays(gamma_BGRNC,
+                                                                                sees_BNCC[:, None, None])
+  o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
+              + mm("bgrncs,bgrnsv->bgrncv", p_BGRNCC, groups(vnew_BHNCV)))
+  return jnp.moveaxis(o_BGRNCV.reshape(b, h, n * c, v), 1, 2).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def chunk_output(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, out_dtype, dtype,
+                 interpret):
+  """O [B, N·C, H, V] in `out_dtype`, each chunk's (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new in one kernel (P never
+  leaves it), written straight into the output's layout: from q and k [B, G, N, C, K], Γ [B, H, N, C], m and the
+  documents [B, N, C], S_n [B, H, N, K, V] and V_new [B, H, N, C, V]. One program per (row, head, chunk, block of
+  up to 128 columns of V). Backward: `output_xla`'s."""
+  b, hk, n, c, k = q_BGNCK.shape
+  h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
+  block, sq = math.gcd(v, 128), pl.squeezed
+  per_key_head = pl.BlockSpec((sq, sq, sq, c, k), lambda bi, hi, ni, ji: (bi, hi // (h // hk), ni, 0, 0))
+  per_position = pl.BlockSpec((sq, sq, c), lambda bi, hi, ni, ji: (bi, ni, 0))
+  in_specs = [per_key_head, per_key_head, pl.BlockSpec((sq, sq, sq, c), lambda bi, hi, ni, ji: (bi, hi, ni, 0)),
+              per_position, per_position,
+              pl.BlockSpec((sq, sq, sq, k, block), lambda bi, hi, ni, ji: (bi, hi, ni, 0, ji)),
+              pl.BlockSpec((sq, sq, sq, c, block), lambda bi, hi, ni, ji: (bi, hi, ni, 0, ji))]
+  out_spec = pl.BlockSpec((sq, c, sq, block), lambda bi, hi, ni, ji: (bi, ni, hi, ji))
+  return _call(functools.partial(_output_kernel, dtype=dtype), (b, h, n, v // block), in_specs, out_spec,
+               jax.ShapeDtypeStruct((b, n * c, h, v), out_dtype), interpret, "gated_delta_chunk_output")(
+                   q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
+
+
+def _chunk_output_fwd(*args):
+  return chunk_output(*args), args[:7]
+
+
+def _chunk_output_bwd(out_dtype, dtype, interpret, residuals, do_BSHV):
+  q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV = residuals
+  _, o_vjp = jax.vjp(lambda q, k, gamma, states, vnew: output_xla(q, k, gamma, reads_BNC, seg_BNC, states, vnew,
+                                                                  out_dtype, dtype),
+                     q_BGNCK, k_BGNCK, gamma_BHNC, states_BHNKV, vnew_BHNCV)
+  dq, dk, dgamma, dstates, dvnew = o_vjp(do_BSHV)
+  return dq, dk, dgamma, None, None, dstates, dvnew
+
+
+chunk_output.defvjp(_chunk_output_fwd, _chunk_output_bwd)
+
+
 class _HeadChunks(NamedTuple):
   """The kernel path's inputs in chunks, head-major ([B, H, N, C, ·]: every matmul's batch dimensions lead, so XLA
   moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
@@ -260,43 +416,28 @@ def _scaled(x_BGNCK, scale_BGRNC, dtype):
   return (x_BGNCK[:, :, None] * scale_BGRNC[..., None]).astype(dtype)
 
 
-def _wy(x, masks, decay_BGRNCC, dtype):
-  """(U, W) [B, G, R, N, C, ·] in `dtype`: (I + A)⁻¹ times βV and times the decayed K, the inverse a kernel."""
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  kk_BG1NCC = mm("bgnck,bgnsk->bgncs", x.k_BGNCK, x.k_BGNCK)[:, :, None]
-  a_BGRNCC = kk_BG1NCC * x.beta_BGRNC[..., None] * decay_BGRNCC
-  chunk_size = a_BGRNCC.shape[-1]
-  t_BGRNCC = (_per_platform(lambda a, interpret: unit_lower_inverse(a, dtype, interpret), a_BGRNCC)
-              if chunk_size % BLOCK == 0 else gdc.unit_lower_inverse(a_BGRNCC))
-  xw_BGRNCK = _scaled(x.k_BGNCK, x.beta_BGRNC * _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BGRNC), dtype)
-  return (mm("bgrncs,bgrnsv->bgrncv", t_BGRNCC, x.v_BGRNCV * x.beta_BGRNC[..., None]).astype(dtype),
-          mm("bgrncs,bgrnsk->bgrnck", t_BGRNCC, xw_BGRNCK).astype(dtype))
-
-
 def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  """The chunked form with the Pallas kernels (`gated_delta_kernels`): the inverses and the loop over chunks as
-  kernels, the rest XLA's batched matmuls over (row, head, chunk), q and k at their key heads; operands bfloat16
+  """The chunked form with the Pallas kernels (`gated_delta_kernels`): each chunk's U and W, the loop over chunks and
+  each chunk's output as kernels, the decayed keys and decays XLA's, q and k at their key heads; operands bfloat16
   unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
+  if not takes_the_kernels(chunk_size):
+    raise ValueError(f"chunk_size={chunk_size}: the Pallas kernels take a power of 2, at least {BLOCK}")
   dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
   x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
   masks = gdc.chunk_masks(seg_BS, chunk_size)
+  seg_BNC = gdc.to_chunks(seg_BS, chunk_size, mode="edge")
   b, hk, r, n, c, dv = x.v_BGRNCV.shape
-  decay_BGRNCC = gdc.decays(x.gamma_BGRNC, masks.sees_BNCC[:, None, None])
-  u_BGRNCV, w_BGRNCK = _wy(x, masks, decay_BGRNCC, dtype)
+  heads = lambda x_BGR_: x_BGR_.reshape(b, hk * r, *x_BGR_.shape[3:])
+  gamma_BHNC = heads(x.gamma_BGRNC)
+  u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), x.k_BGNCK, heads(x.v_BGRNCV),
+                                    heads(x.beta_BGRNC), gamma_BHNC, masks.reads_BNC, seg_BNC)
   gamma_end_BGRN = x.gamma_BGRNC[..., -1]
   kd_BGRNCK = _scaled(x.k_BGNCK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BGRN[..., None]
                                                                            - x.gamma_BGRNC), dtype)
   decay_BHN = (masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)).reshape(b, hk * r, n)
-  heads = lambda x_BGR_: x_BGR_.reshape(b, hk * r, *x_BGR_.shape[3:])
   states_BHNKV, vnew_BHNCV, state_BHKV = _per_platform(
-      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), heads(w_BGRNCK), heads(u_BGRNCV), decay_BHN,
+      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), w_BHNCK, u_BHNCV, decay_BHN,
       state_BHKV)
-
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  groups = lambda x_BH_: x_BH_.reshape(b, hk, r, *x_BH_.shape[2:])
-  qd_BGRNCK = _scaled(x.q_BGNCK, _per_position(masks.reads_BNC) * jnp.exp(x.gamma_BGRNC), dtype)
-  p_BGRNCC = mm("bgnck,bgnsk->bgncs", x.q_BGNCK, x.k_BGNCK)[:, :, None] * decay_BGRNCC
-  o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
-              + mm("bgrncs,bgrnsv->bgrncv", p_BGRNCC, groups(vnew_BHNCV)))
-  o_BSHV = jnp.moveaxis(o_BGRNCV.reshape(b, hk * r, n * c, dv), 1, 2)
-  return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
+  o_BSHV = _per_platform(lambda *a: chunk_output(*a[:-1], v.dtype, dtype, a[-1]), x.q_BGNCK, x.k_BGNCK, gamma_BHNC,
+                         masks.reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
+  return o_BSHV[:, :v.shape[1]], state_BHKV
