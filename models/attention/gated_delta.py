@@ -134,9 +134,10 @@ def _initial_state(initial_state, v_BSHV, key_dim):
 
 
 # A row's positions per pass of the chunked form. Its temporaries grow with the positions it holds (compiled for an
-# H200, forward + backward of Qwen3.5's heads at 1 × 262144: 41.2 GiB on the kernel path, 79.0 on the XLA form),
-# so a longer row runs as a scan over spans of this many, the state carried, its backward recomputing one span at a
-# time: 4.6 and 9.8 GiB (benchmarks/results/gated_deltanet_compile_only.txt). Compute is the same.
+# H200, forward + backward of Qwen3.5's heads at 1 × 262144: 41.2 GiB on an earlier kernel path, 79.0 on the XLA
+# form), so a longer row runs as a scan over spans of this many, the state carried, its backward recomputing one span
+# at a time: 10.4 and 9.8 GiB (benchmarks/results/gated_deltanet_compile_only.txt; 4 GiB of the kernel path's are
+# XLA's head-major copies of the whole row's q, k and v, hoisted out of the scan). Compute is the same.
 SPAN_TOKENS = 32768
 
 
