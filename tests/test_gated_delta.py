@@ -99,11 +99,12 @@ def test_matches_recurrent_with_gradients(documents):
 
 @pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
-  """The kernel path (`gated_delta_kernels`' inverse and loop over chunks, in Pallas' interpreter here; `pytest -m gpu`
-  runs them compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the state pass runs
-  several blocks of V. Mutants killed: a block-merge term of the inverse dropped, the diagonal blocks' substitution
-  sign flipped, dA not kept strictly lower, the decay left out of dS, dV_new without Kd dS, dS without the
-  output's cotangent of S_n, dKd halved."""
+  """The kernel path (`gated_delta_kernels`' three kernels, in Pallas' interpreter here; `pytest -m gpu` runs them
+  compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the state pass runs
+  several blocks of V. Mutants killed: the inverse's block-merge sign or its diagonal blocks' substitution sign
+  flipped, A's diagonal kept, U without β or without its diagonal block, W without m, A's gradient of Γ dropped, the
+  output without its causal mask or without m, the output's gradient of Γ dropped, the decay left out of dS, dV_new
+  without Kd dS, dS without the output's cotangent of S_n, dKd halved."""
   x = make_inputs(130, a_max=1.0)
   x["v"] = np.concatenate([x["v"]] * (2 * gk.BLOCK_V // V), axis=-1)
   x["initial_state"] = np.concatenate([x["initial_state"]] * (2 * gk.BLOCK_V // V), axis=-1)

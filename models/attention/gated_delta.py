@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.attention import gated_delta_chunks as gdc
-from models.attention.gated_delta_kernels import kernel_chunked_forward, operand_einsum
+from models.attention.gated_delta_kernel_path import kernel_chunked_forward
+from models.attention.gated_delta_kernels import operand_einsum
 
 
 def _chunk_einsum(spec, a, b, dtype):

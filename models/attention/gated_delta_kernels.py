@@ -1,7 +1,6 @@
-"""The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): `kernel_chunked_forward`, the
-chunked form (`gated_delta`'s docstring) in head-major layout ([B, H, N, C, ·]: no matmul's operands or result need
-moving), q and k at their key heads, as three Pallas (Triton) kernels, each with its own VJP, and XLA's elementwise
-work around them (normalising q and k, Γ, the decayed keys):
+"""The gated delta rule's three Pallas (Triton) kernels, each with its own VJP, on the chunked form (`gated_delta`'s
+docstring) in head-major layout ([B, H, N, C, ·]: no operand needs moving), q and k at their key heads;
+`gated_delta_kernel_path` runs the rule on them:
 
 - `chunk_wy`: each chunk's U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹, A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
@@ -22,15 +21,14 @@ work around them (normalising q and k, Γ, the decayed keys):
   (`output_xla`) differentiated.
 
 Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
-and the decays are float32 inside. In a program lowered for anything but CUDA the kernels run in Pallas' interpreter
-(the tests' path).
+and the decays are float32 inside. Each takes `interpret`: the kernel path runs them in Pallas' interpreter wherever
+the program is lowered for anything but CUDA (the tests' path).
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,12 +62,6 @@ def operand_einsum(spec, a, b, dtype):
   on = lambda dtype: lambda a, b: jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=_precision(dtype),
                                              preferred_element_type=jnp.float32)
   return lax.platform_dependent(a, b, cpu=on(jnp.float32), default=on(dtype))
-
-
-def _per_platform(call, *args):
-  """`call(*args, interpret)`: the kernels compiled by Triton where the program is lowered for CUDA (whatever machine
-  lowers it: compile-only planning too), in Pallas' interpreter elsewhere."""
-  return lax.platform_dependent(*args, cuda=lambda *a: call(*a, False), default=lambda *a: call(*a, True))
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_warps=4):
@@ -157,7 +149,7 @@ def wy_xla(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, dtype):
   heads = lambda x_BGR_: x_BGR_.reshape(b, -1, *x_BGR_.shape[3:])
   mm = functools.partial(operand_einsum, dtype=dtype)
   beta_BGRNC = groups(beta_BHNC)
-  xw_BGRNCK = _scaled(k_BGNCK, beta_BGRNC * reads_BNC[:, None, None] * jnp.exp(groups(gamma_BHNC)), dtype)
+  xw_BGRNCK = scaled(k_BGNCK, beta_BGRNC * reads_BNC[:, None, None] * jnp.exp(groups(gamma_BHNC)), dtype)
   u_BGRNCV = mm("bgrncs,bgrnsv->bgrncv", groups(t_BHNCC), groups(v_BHNCV) * beta_BGRNC[..., None])
   w_BGRNCK = mm("bgrncs,bgrnsk->bgrnck", groups(t_BHNCC), xw_BGRNCK)
   return heads(u_BGRNCV).astype(dtype), heads(w_BGRNCK).astype(dtype)
@@ -333,7 +325,7 @@ def output_xla(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, v
   mm = functools.partial(operand_einsum, dtype=dtype)
   gamma_BGRNC = groups(gamma_BHNC)
   sees_BNCC = (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & jnp.tril(jnp.ones((c, c), bool))
-  qd_BGRNCK = _scaled(q_BGNCK, reads_BNC[:, None, None] * jnp.exp(gamma_BGRNC), dtype)
+  qd_BGRNCK = scaled(q_BGNCK, reads_BNC[:, None, None] * jnp.exp(gamma_BGRNC), dtype)
   p_BGRNCC = mm("bgnck,bgnsk->bgncs", q_BGNCK, k_BGNCK)[:, :, None] * gdc.decays(gamma_BGRNC,
                                                                                 sees_BNCC[:, None, None])
   o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
@@ -379,65 +371,5 @@ def _chunk_output_bwd(out_dtype, dtype, interpret, residuals, do_BSHV):
 chunk_output.defvjp(_chunk_output_fwd, _chunk_output_bwd)
 
 
-class _HeadChunks(NamedTuple):
-  """The kernel path's inputs in chunks, head-major ([B, H, N, C, ·]: every matmul's batch dimensions lead, so XLA
-  moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
-  q_BGNCK: jax.Array  # normalised, in the operand dtype
-  k_BGNCK: jax.Array
-  v_BGRNCV: jax.Array
-  gamma_BGRNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
-  beta_BGRNC: jax.Array
-
-
-def _head_major(x_BS_, chunk_size):
-  """[B, S, H, ...] → [B, H, N, C, ...] (one transpose), right-padding S to a multiple of C."""
-  x_BHS_ = jnp.moveaxis(x_BS_, 2, 1)
-  pad = -x_BHS_.shape[2] % chunk_size
-  x_BHS_ = jnp.pad(x_BHS_, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BHS_.ndim - 3))
-  return x_BHS_.reshape(*x_BHS_.shape[:2], -1, chunk_size, *x_BHS_.shape[3:])
-
-
-def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype):
-  b, _, hk, _ = k.shape
-  hv, dv = v.shape[2:]
-  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, hv, l2_normalize)
-  q_BGNCK, k_BGNCK = (_head_major(x.astype(dtype), chunk_size) for x in (q_BSGK, k_BSGK))
-  n = q_BGNCK.shape[2]
-  by_key_head = lambda x_BSH: _head_major(x_BSH.astype(jnp.float32), chunk_size).reshape(b, hk, -1, n, chunk_size)
-  return _HeadChunks(q_BGNCK, k_BGNCK, _head_major(v, chunk_size).reshape(b, hk, hv // hk, n, chunk_size, dv),
-                     jnp.cumsum(by_key_head(g), axis=-1), by_key_head(beta))
-
-
-def _per_position(x_BNC):
-  return x_BNC[:, None, None]  # [B, 1, 1, N, C] against [B, G, R, N, C]
-
-
-def _scaled(x_BGNCK, scale_BGRNC, dtype):
+def scaled(x_BGNCK, scale_BGRNC, dtype):
   return (x_BGNCK[:, :, None] * scale_BGRNC[..., None]).astype(dtype)
-
-
-def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  """The chunked form with the Pallas kernels (`gated_delta_kernels`): each chunk's U and W, the loop over chunks and
-  each chunk's output as kernels, the decayed keys and decays XLA's, q and k at their key heads; operands bfloat16
-  unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state)."""
-  if not takes_the_kernels(chunk_size):
-    raise ValueError(f"chunk_size={chunk_size}: the Pallas kernels take a power of 2, at least {BLOCK}")
-  dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
-  x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
-  masks = gdc.chunk_masks(seg_BS, chunk_size)
-  seg_BNC = gdc.to_chunks(seg_BS, chunk_size, mode="edge")
-  b, hk, r, n, c, dv = x.v_BGRNCV.shape
-  heads = lambda x_BGR_: x_BGR_.reshape(b, hk * r, *x_BGR_.shape[3:])
-  gamma_BHNC = heads(x.gamma_BGRNC)
-  u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), x.k_BGNCK, heads(x.v_BGRNCV),
-                                    heads(x.beta_BGRNC), gamma_BHNC, masks.reads_BNC, seg_BNC)
-  gamma_end_BGRN = x.gamma_BGRNC[..., -1]
-  kd_BGRNCK = _scaled(x.k_BGNCK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BGRN[..., None]
-                                                                           - x.gamma_BGRNC), dtype)
-  decay_BHN = (masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)).reshape(b, hk * r, n)
-  states_BHNKV, vnew_BHNCV, state_BHKV = _per_platform(
-      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), w_BHNCK, u_BHNCV, decay_BHN,
-      state_BHKV)
-  o_BSHV = _per_platform(lambda *a: chunk_output(*a[:-1], v.dtype, dtype, a[-1]), x.q_BGNCK, x.k_BGNCK, gamma_BHNC,
-                         masks.reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
-  return o_BSHV[:, :v.shape[1]], state_BHKV
