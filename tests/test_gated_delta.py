@@ -259,6 +259,12 @@ def test_custom_vjp_saves_only_inputs():
       q, k, v, g, beta, seg, initial_state, 64, True, "xla", None)
   assert saved(plain) > 2 * inputs  # plain autodiff keeps per-chunk states and matrices
 
+def test_the_kernel_path_names_a_chunk_size_it_cannot_take():
+  """Triton's blocks need a power-of-2 chunk of at least 16: another is refused by name, not miscomputed."""
+  x = make_inputs(64, a_max=1.0)
+  with pytest.raises(ValueError, match="chunk_size=48"):
+    gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=48, state_kernel="pallas")
+
 def test_output_dtype_follows_v():
   x = {n: a.astype(jnp.bfloat16) if n in "qkv" else a for n, a in make_inputs(64).items()}
   o, s = jax.eval_shape(lambda x: gated_delta_rule(**x, output_final_state=True), x)
