@@ -91,12 +91,18 @@ class Masks(NamedTuple):
   keeps_BN: jax.Array  # c: the chunk's last document is the incoming state's
 
 
+def sees(seg_BNC, diagonal=True):
+  """[B, N, C, C]: s ≤ r (s < r without the diagonal) in the same document, from the chunks' segment ids."""
+  c = seg_BNC.shape[-1]
+  lower_CC = jnp.tril(jnp.ones((c, c), bool), 0 if diagonal else -1)
+  return (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & lower_CC
+
+
 def chunk_masks(seg_BS, chunk_size):
   # Padding joins the last document, so with g = β = 0 it leaves that document's state intact.
   seg_BNC = to_chunks(seg_BS, chunk_size, mode="edge")
   seg_in_BN = jnp.concatenate([seg_BNC[:, :1, 0], seg_BNC[:, :-1, -1]], axis=1)
-  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
-  return Masks(sees_BNCC=same_BNCC & jnp.tril(jnp.ones((chunk_size, chunk_size), bool)),
+  return Masks(sees_BNCC=sees(seg_BNC),
                 reads_BNC=(seg_BNC == seg_in_BN[..., None]).astype(jnp.float32),
                 writes_BNC=(seg_BNC == seg_BNC[..., -1:]).astype(jnp.float32),
                 keeps_BN=(seg_BNC[..., -1] == seg_in_BN).astype(jnp.float32))

@@ -26,9 +26,9 @@ class _HeadChunks(NamedTuple):
   moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
   q_BGNCK: jax.Array  # normalised, in the operand dtype
   k_BGNCK: jax.Array
-  v_BGRNCV: jax.Array
+  v_BHNCV: jax.Array
   gamma_BGRNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
-  beta_BGRNC: jax.Array
+  beta_BHNC: jax.Array
 
 
 def _head_major(x_BS_, chunk_size):
@@ -41,13 +41,12 @@ def _head_major(x_BS_, chunk_size):
 
 def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype):
   b, _, hk, _ = k.shape
-  hv, dv = v.shape[2:]
-  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, hv, l2_normalize)
+  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, v.shape[2], l2_normalize)
   q_BGNCK, k_BGNCK = (_head_major(x.astype(dtype), chunk_size) for x in (q_BSGK, k_BSGK))
   n = q_BGNCK.shape[2]
-  by_key_head = lambda x_BSH: _head_major(x_BSH.astype(jnp.float32), chunk_size).reshape(b, hk, -1, n, chunk_size)
-  return _HeadChunks(q_BGNCK, k_BGNCK, _head_major(v, chunk_size).reshape(b, hk, hv // hk, n, chunk_size, dv),
-                     jnp.cumsum(by_key_head(g), axis=-1), by_key_head(beta))
+  g_BGRNC = _head_major(g.astype(jnp.float32), chunk_size).reshape(b, hk, -1, n, chunk_size)
+  return _HeadChunks(q_BGNCK, k_BGNCK, _head_major(v, chunk_size), jnp.cumsum(g_BGRNC, axis=-1),
+                     _head_major(beta.astype(jnp.float32), chunk_size))
 
 
 def _per_position(x_BNC):
@@ -64,15 +63,14 @@ def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_
   x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
   masks = gdc.chunk_masks(seg_BS, chunk_size)
   seg_BNC = gdc.to_chunks(seg_BS, chunk_size, mode="edge")
-  b, hk, r, n, c, dv = x.v_BGRNCV.shape
-  heads = lambda x_BGR_: x_BGR_.reshape(b, hk * r, *x_BGR_.shape[3:])
+  heads = lambda x_BGR_: x_BGR_.reshape(x_BGR_.shape[0], -1, *x_BGR_.shape[3:])
   gamma_BHNC = heads(x.gamma_BGRNC)
-  u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), x.k_BGNCK, heads(x.v_BGRNCV),
-                                    heads(x.beta_BGRNC), gamma_BHNC, masks.reads_BNC, seg_BNC)
+  u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), x.k_BGNCK, x.v_BHNCV, x.beta_BHNC,
+                                    gamma_BHNC, masks.reads_BNC, seg_BNC)
   gamma_end_BGRN = x.gamma_BGRNC[..., -1]
   kd_BGRNCK = scaled(x.k_BGNCK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BGRN[..., None]
                                                                            - x.gamma_BGRNC), dtype)
-  decay_BHN = (masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)).reshape(b, hk * r, n)
+  decay_BHN = heads(masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN))
   states_BHNKV, vnew_BHNCV, state_BHKV = _per_platform(
       lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), w_BHNCK, u_BHNCV, decay_BHN,
       state_BHKV)

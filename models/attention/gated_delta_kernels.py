@@ -135,10 +135,9 @@ def chunk_a(k_BGNCK, beta_BHNC, gamma_BHNC, seg_BNC, dtype):
   """A [B, H, N, C, C] float32, each chunk's strictly lower (diag(β) K Kᵀ) ⊙ D, in XLA (`chunk_wy`'s backward)."""
   b, hk, n, c, _ = k_BGNCK.shape
   groups = lambda x_BHNC: x_BHNC.reshape(b, hk, -1, n, c)
-  sees_BNCC = (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & jnp.tril(jnp.ones((c, c), bool), -1)
   kk_BGNCC = operand_einsum("bgnck,bgnsk->bgncs", k_BGNCK, k_BGNCK, dtype)
   a_BGRNCC = (kk_BGNCC[:, :, None] * groups(beta_BHNC)[..., None]
-              * gdc.decays(groups(gamma_BHNC), sees_BNCC[:, None, None]))
+              * gdc.decays(groups(gamma_BHNC), gdc.sees(seg_BNC, diagonal=False)[:, None, None]))
   return a_BGRNCC.reshape(b, -1, n, c, c)
 
 
@@ -324,10 +323,9 @@ def output_xla(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, v
   groups = lambda x_BH_: x_BH_.reshape(b, hk, h // hk, *x_BH_.shape[2:])
   mm = functools.partial(operand_einsum, dtype=dtype)
   gamma_BGRNC = groups(gamma_BHNC)
-  sees_BNCC = (seg_BNC[..., :, None] == seg_BNC[..., None, :]) & jnp.tril(jnp.ones((c, c), bool))
   qd_BGRNCK = scaled(q_BGNCK, reads_BNC[:, None, None] * jnp.exp(gamma_BGRNC), dtype)
-  p_BGRNCC = mm("bgnck,bgnsk->bgncs", q_BGNCK, k_BGNCK)[:, :, None] * gdc.decays(gamma_BGRNC,
-                                                                                sees_BNCC[:, None, None])
+  p_BGRNCC = (mm("bgnck,bgnsk->bgncs", q_BGNCK, k_BGNCK)[:, :, None]
+              * gdc.decays(gamma_BGRNC, gdc.sees(seg_BNC)[:, None, None]))
   o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
               + mm("bgrncs,bgrnsv->bgrncv", p_BGRNCC, groups(vnew_BHNCV)))
   return jnp.moveaxis(o_BGRNCV.reshape(b, h, n * c, v), 1, 2).astype(out_dtype)
