@@ -244,7 +244,9 @@ def test_document_gradients_finite_with_extreme_decay():
   for name, d in dx.items():
     assert np.all(np.isfinite(d)), name
 
-def test_custom_vjp_saves_only_inputs():
+def test_custom_vjp_saves_only_inputs_and_the_kernel_paths_inverses():
+  """The XLA form keeps only its inputs; the kernel path also each chunk's (I + A)⁻¹ [B, Hv, N, C, C] for a row in
+  one span, and over spans only what the XLA form keeps (one span's inverses at a time, recomputed)."""
   x = make_inputs(130)
   seg = three_documents()
 
@@ -256,8 +258,13 @@ def test_custom_vjp_saves_only_inputs():
   inputs = sum(a.size for a in x.values()) + seg.size
   assert saved(gated_delta_rule) <= inputs
   plain = lambda q, k, v, g, beta, initial_state, **_: gd._chunked_forward(
-      q, k, v, g, beta, seg, initial_state, 64, True, "xla", None)
+      q, k, v, g, beta, seg, initial_state, 64, True, None)
   assert saved(plain) > 2 * inputs  # plain autodiff keeps per-chunk states and matrices
+  kernels = functools.partial(gated_delta_rule, state_kernel="pallas")
+  inverses = B * HV * 3 * 64 * 64  # 130 positions: 3 chunks of 64
+  assert inputs < saved(kernels) <= inputs + inverses
+  # Over spans the scan keeps the padded inputs and each span's entering state, both paths alike.
+  assert saved(functools.partial(kernels, span_tokens=64)) <= saved(functools.partial(gated_delta_rule, span_tokens=64))
 
 def test_the_kernel_path_names_a_chunk_size_it_cannot_take():
   """Triton's blocks need a power-of-2 chunk of at least 16: another is refused by name, not miscomputed."""

@@ -96,30 +96,28 @@ def _scan_chunks(chunks, state_BHKV):
 STATE_KERNELS = ("xla", "pallas")
 
 
-def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
-  if state_kernel == "pallas":
-    return kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size,
-                                   l2_normalize)
+def _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype):
   chunks = _chunk_quantities(q, k, v, g, beta, seg_BS, chunk_size, l2_normalize, chunk_dtype)
   o_BSHV, state_BHKV = _scan_chunks(chunks, state_BHKV.astype(jnp.float32))
   return o_BSHV[:, :v.shape[1]].astype(v.dtype), state_BHKV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
-  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype):
+  """The XLA form; its VJP keeps only the inputs and reruns the forward."""
+  return _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype)
 
 
-def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype):
-  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
+def _chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype):
+  out = _chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype)
   # Only the inputs are kept: per-chunk states would cost N·H·K·V floats per sequence and layer.
   return out, (q, k, v, g, beta, seg_BS, state_BHKV)
 
 
-def _chunked_bwd(chunk_size, l2_normalize, state_kernel, chunk_dtype, residuals, cotangents):
+def _chunked_bwd(chunk_size, l2_normalize, chunk_dtype, residuals, cotangents):
   q, k, v, g, beta, seg_BS, state_BHKV = residuals
   forward = lambda q, k, v, g, beta, s: _chunked_forward(
-      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, state_kernel, chunk_dtype)
+      q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, chunk_dtype)
   _, vjp = jax.vjp(forward, q, k, v, g, beta, state_BHKV)
   dq, dk, dv, dg, dbeta, dstate = vjp(cotangents)
   return dq, dk, dv, dg, dbeta, None, dstate
@@ -167,7 +165,8 @@ def _spans(rule, q, k, v, g, beta, seg_BS, state_BHKV, span):
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, chunk_size=64,
                      l2_normalize=True, output_final_state=False, state_kernel="xla", chunk_dtype=None,
                      span_tokens=SPAN_TOKENS):
-  """Gated delta rule, chunked form, with a memory-lean custom VJP.
+  """Gated delta rule, chunked form, with a memory-lean custom VJP: it keeps the inputs (and, on the kernel path
+  for a row in one span, each chunk's (I + A)⁻¹, half v's size at C = 64, V = 128) and reruns the forward.
 
   Args:
     q: queries [B, S, Hk, K].
@@ -182,9 +181,9 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     l2_normalize: L2-normalise q and k over K first.
     output_final_state: also return the state after the last token.
     state_kernel: "xla": the chunked form in XLA, its loop over chunks a `lax.scan`; "pallas": the chunks'
-      inverses and the loop over chunks as Pallas kernels (compiled on GPUs, in Pallas' interpreter elsewhere), the
-      rest XLA's batched matmuls, every matmul on bfloat16 operands (float32 accumulation, state and decays)
-      unless v is float32.
+      inverses, the loop over chunks and the output as Pallas kernels (compiled on GPUs, in Pallas' interpreter
+      elsewhere), the backward mostly XLA's, every matmul on bfloat16 operands (float32 accumulation, state and
+      decays) unless v is float32.
     chunk_dtype: the XLA form's matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
       decayed K): None in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in
       float32. The Pallas path ignores it.
@@ -198,10 +197,16 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
   seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
-  rule = lambda q, k, v, g, beta, seg_BS, state_BHKV: _chunked(
-      q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, state_kernel, chunk_dtype)
   span = None if span_tokens is None else max(chunk_size, span_tokens // chunk_size * chunk_size)
-  if span is not None and v.shape[1] > span:
+  in_spans = span is not None and v.shape[1] > span
+
+  def rule(q, k, v, g, beta, seg_BS, state_BHKV):
+    if state_kernel == "pallas":  # over spans, one span's inverses at a time: recomputed in the backward
+      return kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize,
+                                    keep_inverse=not in_spans)
+    return _chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, chunk_dtype)
+
+  if in_spans:
     o_BSHV, state_BHKV = _spans(rule, q, k, v, g, beta, seg_BS, state_BHKV, span)
   else:
     o_BSHV, state_BHKV = rule(q, k, v, g, beta, seg_BS, state_BHKV)
