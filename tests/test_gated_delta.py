@@ -156,7 +156,7 @@ def test_a_row_in_spans_is_the_whole_row(state_kernel):
 
 
 def test_the_kernels_lower_to_triton_for_a_gpu():
-  """Pallas' Triton lowering of the kernel path's four kernels, forward and backward, bfloat16 at the 35B model's
+  """Pallas' Triton lowering of the kernel path's six kernels, forward and backward, bfloat16 at the 35B model's
   head sizes, run here by exporting the jitted loss and gradient for CUDA (no GPU needed; a program lowered for CUDA takes the
   kernels whatever machine lowers it): what a GPU would first refuse (an op with no Triton lowering, a load whose
   size is not a power of 2). Triton's own compilation is `pytest -m gpu`'s. Mutants killed: a state-pass block of 48
@@ -175,8 +175,8 @@ def test_the_kernels_lower_to_triton_for_a_gpu():
       bf16(b, s, hk, k), bf16(b, s, hk, k), bf16(b, s, hv, k), f32(b, s, hv), f32(b, s, hv), f32(b, hv, k, k),
       jax.ShapeDtypeStruct((b, s), jnp.int32))
   kernels = set(re.findall(r'name = "(gated_delta_\w+)"', exported.mlir_module()))
-  assert kernels == {"gated_delta_chunk_wy", "gated_delta_state_forward", "gated_delta_state_backward",
-                     "gated_delta_chunk_output"}
+  assert kernels == {"gated_delta_chunk_wy", "gated_delta_state_forward", "gated_delta_chunk_output",
+                     "gated_delta_output_backward", "gated_delta_state_backward", "gated_delta_wy_backward"}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])

@@ -1,6 +1,7 @@
 """The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): the chunked form (`gated_delta`'s
-docstring) on `gated_delta_kernels`' three kernels, in head-major layout ([B, H, N, C, ·]), q and k at their key
-heads, with XLA's elementwise work around them: normalising q and k, Γ, the decayed keys and the chunks' decays.
+docstring) forward on `gated_delta_kernels`' three kernels and backward on `gated_delta_backward_kernels`' three, in
+head-major layout ([B, H, N, C, ·]), q and k at their key heads, with XLA's elementwise work around them:
+normalising q and k, Γ, the decayed keys and the chunks' decays, and their VJP.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.attention import gated_delta_chunks as gdc
-from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, scaled, state_pass, takes_the_kernels,
-                                                  wy_from_inverse)
+from models.attention.gated_delta_backward_kernels import output_backward, state_backward, wy_backward
+from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, scaled, state_forward,
+                                                  takes_the_kernels, wy_xla)
 
 
 def _per_platform(call, *args):
@@ -26,11 +28,11 @@ def _per_platform(call, *args):
 class _HeadChunks(NamedTuple):
   """The kernel path's inputs in chunks, head-major ([B, H, N, C, ·]: every matmul's batch dimensions lead, so XLA
   moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
-  q_BGNCK: jax.Array  # normalised, in the operand dtype
+  q_BGNCK: jax.Array  # normalised, float32 (the kernels round it to their operand dtype)
   k_BGNCK: jax.Array
-  v_BHNCV: jax.Array
-  gamma_BGRNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
-  beta_BHNC: jax.Array
+  v_BHNCV: jax.Array  # v's dtype
+  gamma_BHNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
+  beta_BHNC: jax.Array  # float32
 
 
 def _head_major(x_BS_, chunk_size):
@@ -41,44 +43,61 @@ def _head_major(x_BS_, chunk_size):
   return x_BHS_.reshape(*x_BHS_.shape[:2], -1, chunk_size, *x_BHS_.shape[3:])
 
 
-def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype):
-  b, _, hk, _ = k.shape
+def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize):
+  """The kernels' inputs from the rule's, in XLA (the backward differentiates it)."""
   q_BSGK, k_BSGK = gdc.normalize_qk(q, k, v.shape[2], l2_normalize)
-  q_BGNCK, k_BGNCK = (_head_major(x.astype(dtype), chunk_size) for x in (q_BSGK, k_BSGK))
-  n = q_BGNCK.shape[2]
-  g_BGRNC = _head_major(g.astype(jnp.float32), chunk_size).reshape(b, hk, -1, n, chunk_size)
-  return _HeadChunks(q_BGNCK, k_BGNCK, _head_major(v, chunk_size), jnp.cumsum(g_BGRNC, axis=-1),
+  return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), _head_major(v, chunk_size),
+                     jnp.cumsum(_head_major(g.astype(jnp.float32), chunk_size), axis=-1),
                      _head_major(beta.astype(jnp.float32), chunk_size))
 
 
-def _per_position(x_BNC):
-  return x_BNC[:, None, None]  # [B, 1, 1, N, C] against [B, G, R, N, C]
+class _Chunks(NamedTuple):
+  """Everything but the inputs that the kernels share, forward and backward."""
+  q_BGNCK: jax.Array  # in the operand dtype
+  k_BGNCK: jax.Array
+  masks: gdc.Masks
+  seg_BNC: jax.Array
+  kd_BHNCK: jax.Array  # K ⊙ e exp(Γ_C − Γ), in the operand dtype
+  decay_BHN: jax.Array  # c exp(Γ_C)
 
 
-def _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, t_BHNCC):
-  """((o, final state), T): the chunks' T = (I + A)⁻¹ and U, W by `chunk_wy`'s kernel, or, given T (the backward),
-  U and W from it by `wy_from_inverse` (differentiable)."""
-  dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
-  x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize, dtype)
+def _chunks(x, seg_BS, chunk_size, dtype):
+  b, hk, n, c, _ = x.k_BGNCK.shape
   masks = gdc.chunk_masks(seg_BS, chunk_size)
-  seg_BNC = gdc.to_chunks(seg_BS, chunk_size, mode="edge")
-  heads = lambda x_BGR_: x_BGR_.reshape(x_BGR_.shape[0], -1, *x_BGR_.shape[3:])
-  gamma_BHNC = heads(x.gamma_BGRNC)
-  wy_inputs = (x.k_BGNCK, x.v_BHNCV, x.beta_BHNC, gamma_BHNC, masks.reads_BNC, seg_BNC)
+  gamma_BGRNC = x.gamma_BHNC.reshape(b, hk, -1, n, c)
+  gamma_end_BGRN = gamma_BGRNC[..., -1]
+  kd_BGRNCK = scaled(x.k_BGNCK, masks.writes_BNC[:, None, None] * jnp.exp(gamma_end_BGRN[..., None] - gamma_BGRNC),
+                     dtype)
+  decay_BGRN = masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)
+  return _Chunks(x.q_BGNCK.astype(dtype), x.k_BGNCK.astype(dtype), masks, gdc.to_chunks(seg_BS, chunk_size, "edge"),
+                 kd_BGRNCK.reshape(b, -1, n, c, kd_BGRNCK.shape[-1]), decay_BGRN.reshape(b, -1, n))
+
+
+def _state_pass(x, ch, state_BHKV, t_BHNCC, dtype):
+  """(T, W, S_n, V_new, final state): T, U and W by `chunk_wy`'s kernel, or, given T, U and W from it in XLA."""
+  wy_inputs = (ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC, x.gamma_BHNC, ch.masks.reads_BNC)
   if t_BHNCC is None:
-    t_BHNCC, u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), *wy_inputs)
+    t_BHNCC, u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), *wy_inputs, ch.seg_BNC)
   else:
-    u_BHNCV, w_BHNCK = wy_from_inverse(t_BHNCC, *wy_inputs, dtype)
-  gamma_end_BGRN = x.gamma_BGRNC[..., -1]
-  kd_BGRNCK = scaled(x.k_BGNCK, _per_position(masks.writes_BNC) * jnp.exp(gamma_end_BGRN[..., None]
-                                                                           - x.gamma_BGRNC), dtype)
-  decay_BHN = heads(masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN))
-  states_BHNKV, vnew_BHNCV, state_BHKV = _per_platform(
-      lambda *a: state_pass(*a[:-1], dtype, a[-1]), heads(kd_BGRNCK), w_BHNCK, u_BHNCV, decay_BHN,
-      state_BHKV)
-  o_BSHV = _per_platform(lambda *a: chunk_output(*a[:-1], v.dtype, dtype, a[-1]), x.q_BGNCK, x.k_BGNCK, gamma_BHNC,
-                         masks.reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
-  return (o_BSHV[:, :v.shape[1]], state_BHKV), t_BHNCC
+    u_BHNCV, w_BHNCK = wy_xla(t_BHNCC, *wy_inputs, dtype)
+  states_BHNKV, vnew_BHNCV, final_BHKV = _per_platform(lambda *a: state_forward(*a[:-1], dtype, a[-1]),
+                                                       ch.kd_BHNCK, w_BHNCK, u_BHNCV, ch.decay_BHN, state_BHKV)
+  return t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, final_BHKV
+
+
+def _operand_dtype(v):
+  return jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
+
+
+def _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
+  """((o, final state), T)."""
+  dtype = _operand_dtype(v)
+  x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize)
+  ch = _chunks(x, seg_BS, chunk_size, dtype)
+  t_BHNCC, _, states_BHNKV, vnew_BHNCV, final_BHKV = _state_pass(x, ch, state_BHKV, None, dtype)
+  o_BSHV = _per_platform(lambda *a: chunk_output(*a[:-1], v.dtype, dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK,
+                         x.gamma_BHNC, ch.masks.reads_BNC, ch.seg_BNC, states_BHNKV, vnew_BHNCV)
+  return (o_BSHV[:, :v.shape[1]], final_BHKV), t_BHNCC
 
 
 def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
@@ -87,8 +106,8 @@ def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_
   bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state float32).
 
   Its VJP keeps the inputs and, with `keep_inverse`, each chunk's T (C / V of v's size: the backward then skips the
-  inverse, `chunk_wy`, the forward's costliest kernel); it reruns the rest of the forward for the per-chunk states
-  and differentiates that."""
+  inverse, `chunk_wy`, the forward's costliest kernel); the backward reruns the state pass for the per-chunk states
+  and runs `gated_delta_backward_kernels`' three kernels."""
   if not takes_the_kernels(chunk_size):
     raise ValueError(f"chunk_size={chunk_size}: the Pallas kernels take a power of 2, at least {BLOCK}")
   return _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size, l2_normalize,
@@ -97,22 +116,34 @@ def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
-  return _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, None)[0]
+  return _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)[0]
 
 
 def _kernel_chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
-  out, t_BHNCC = _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, None)
+  out, t_BHNCC = _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
   return out, (q, k, v, g, beta, seg_BS, state_BHKV, t_BHNCC if keep_inverse else None)
 
 
 def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotangents):
   q, k, v, g, beta, seg_BS, state_BHKV, t_BHNCC = residuals
-  if t_BHNCC is None:  # not kept: the forward's inverse again (the rest of that forward is dead code, dropped)
-    t_BHNCC = _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, None)[1]
-  forward = lambda q, k, v, g, beta, s: _forward(q, k, v, g, beta, seg_BS, s, chunk_size, l2_normalize, t_BHNCC)[0]
-  _, vjp = jax.vjp(forward, q, k, v, g, beta, state_BHKV)
-  dq, dk, dv, dg, dbeta, dstate = vjp(cotangents)
-  return dq, dk, dv, dg, dbeta, None, dstate
+  do_BSHV, dfinal_BHKV = cotangents
+  dtype = _operand_dtype(v)
+  x, inputs_vjp = jax.vjp(lambda *a: _head_chunks(*a, chunk_size, l2_normalize), q, k, v, g, beta)
+  ch = _chunks(x, seg_BS, chunk_size, dtype)
+  t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, _ = _state_pass(x, ch, state_BHKV, t_BHNCC, dtype)
+  do_BSHV = jnp.pad(do_BSHV, [(0, 0), (0, -v.shape[1] % chunk_size), (0, 0), (0, 0)])
+  dq_BGNCK, dk_BGNCK, dgamma_BHNC, dvnew_BHNCV = _per_platform(
+      lambda *a: output_backward(*a[:-1], dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK, x.gamma_BHNC,
+      ch.masks.reads_BNC, ch.seg_BNC, states_BHNKV, vnew_BHNCV, do_BSHV)
+  dcarry_BHNKV, dvnew_BHNCV, dstate_BHKV = _per_platform(
+      lambda *a: state_backward(*a[:-1], dtype, a[-1]), ch.kd_BHNCK, w_BHNCK, ch.q_BGNCK, x.gamma_BHNC,
+      ch.masks.reads_BNC, ch.decay_BHN, do_BSHV, dvnew_BHNCV, dfinal_BHKV)
+  dk_wy_BGNCK, dv_BHNCV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
+      lambda *a: wy_backward(*a[:4], ch.masks, *a[4:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC,
+      x.gamma_BHNC, ch.seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
+  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_wy_BGNCK, dv_BHNCV,
+                                                 dgamma_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
+  return dq, dk, dv, dg, dbeta, None, dstate_BHKV
 
 
 _kernel_chunked.defvjp(_kernel_chunked_fwd, _kernel_chunked_bwd)

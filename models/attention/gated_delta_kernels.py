@@ -1,24 +1,21 @@
-"""The gated delta rule's three Pallas (Triton) kernels on the chunked form (`gated_delta`'s docstring) in head-major
-layout ([B, H, N, C, ·]: no operand needs moving), q and k at their key heads; `gated_delta_kernel_path` runs the
-rule on them:
+"""The gated delta rule's forward in three Pallas (Triton) kernels, on the chunked form (`gated_delta`'s docstring) in
+head-major layout ([B, H, N, C, ·]: no operand needs moving), q and k at their key heads, and the helpers the
+backward's kernels (`gated_delta_backward_kernels`) share; `gated_delta_kernel_path` runs the rule on them:
 
 - `chunk_wy`: each chunk's T = (I + A)⁻¹, U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
   (row, value head, chunk). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
-  inversion. Backward (`wy_from_inverse`, from the forward's T): U's and W's formula in XLA (`wy_xla`)
-  differentiated, then dA = −Tᵀ dT Tᵀ through A's (`chunk_a`).
-- `state_pass`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
+  inversion. The backward takes T and recomputes U and W from it in XLA (`wy_xla`).
+- `state_forward`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip:
 
     forward, chunk n:  S_n = S (stored),  V_new = U − W S,  S ← d S + Kdᵀ V_new
-    backward, n from the last chunk down, carrying dS (the gradient of the state leaving chunk n):
-      dS_n' = dS (stored),  dV_new = ∂V_new + Kd dS,  dS ← d dS + ∂S_n − Wᵀ dV_new
+    backward, n from the last chunk down, carrying dS' (the gradient of the state leaving chunk n):
+      dS'_n = dS' (stored),  dV_new = ∂V_new + Kd dS',  dS' ← d dS' + ∂S_n − Wᵀ dV_new
 
-  with ∂ the cotangents that reach S_n and V_new from the output. The gradients of Kd, W and d contract over V, so
-  XLA forms them from the stored S_n, dS_n', V_new and dV_new.
+  with ∂ the cotangents that reach S_n and V_new from the output (the backward: `state_backward`).
 - `chunk_output`: O = (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new, one program per (row, value head, chunk, 128 columns
-  of V), written straight into [B, S, H, V]; P and the decays never leave the kernel. Backward: its XLA form
-  (`output_xla`) differentiated.
+  of V), written straight into [B, S, H, V]; P and the decays never leave the kernel.
 
 Operands are bfloat16 unless the inputs are float32 (then float32 at HIGHEST precision); the state, its gradient
 and the decays are float32 inside. Each takes `interpret`: the kernel path runs them in Pallas' interpreter wherever
@@ -50,7 +47,7 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _dot(a, b, dtype, trans_a=False, trans_b=False):
+def dot(a, b, dtype, trans_a=False, trans_b=False):
   """a @ b (either transposed) on `dtype` operands with float32 accumulation."""
   a = a.T if trans_a else a
   b = b.T if trans_b else b
@@ -67,18 +64,18 @@ def operand_einsum(spec, a, b, dtype):
   return lax.platform_dependent(a, b, cpu=on(jnp.float32), default=on(dtype))
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_stages=1):
+def call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_stages=1, num_warps=4):
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, name=name,
-                        compiler_params=plt.CompilerParams(num_warps=4, num_stages=num_stages))
+                        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
-def _decay(gamma_r, gamma_s, sees):
+def decay(gamma_r, gamma_s, sees):
   """`gdc.decays` in a kernel: exp(Γ_r − Γ_s) where s sees r, else 0."""
   return jnp.where(sees, jnp.exp(jnp.where(sees, gamma_r[:, None] - gamma_s[None, :], 0.0)), 0.0)
 
 
-def _iotas(size):
+def iotas(size):
   return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 
 
@@ -104,8 +101,8 @@ def _inverse_blocks(a, blocks):
   t = {(i, i): jnp.sum(jnp.where(block_bss == i, inverses_bss, 0.0), axis=0) for i in range(blocks)}
   for i in range(1, blocks):
     for j in range(i - 1, -1, -1):
-      below = sum(_dot(a_below[i, m], t[m, j], jnp.float32) for m in range(j, i))
-      t[i, j] = -_dot(t[i, i], below, jnp.float32)
+      below = sum(dot(a_below[i, m], t[m, j], jnp.float32) for m in range(j, i))
+      t[i, j] = -dot(t[i, i], below, jnp.float32)
   return t
 
 
@@ -115,13 +112,13 @@ def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_re
   v_ref [blocks, 16, V], the per-position refs [blocks, 16], t_ref [blocks, 16, blocks, 16] (block (i, j) at
   [i, :, j, :]), u_ref and w_ref as v_ref and k_ref."""
   blocks = k_ref.shape[0]
-  rows_ss, cols_ss = _iotas(BLOCK)
+  rows_ss, cols_ss = iotas(BLOCK)
 
   def a(i, j):
     sees = seg_ref[i][:, None] == seg_ref[j][None, :]
     sees = sees & (rows_ss > cols_ss) if i == j else sees
-    kk = _dot(k_ref[i], k_ref[j], dtype, trans_b=True)
-    return kk * beta_ref[i][:, None] * _decay(gamma_ref[i], gamma_ref[j], sees)
+    kk = dot(k_ref[i], k_ref[j], dtype, trans_b=True)
+    return kk * beta_ref[i][:, None] * decay(gamma_ref[i], gamma_ref[j], sees)
 
   t = _inverse_blocks(a, blocks)
   for i in range(blocks):
@@ -130,18 +127,8 @@ def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_re
   bv = lambda j: v_ref[j].astype(jnp.float32) * beta_ref[j][:, None]
   xw = lambda j: k_ref[j].astype(jnp.float32) * (beta_ref[j] * reads_ref[j] * jnp.exp(gamma_ref[j]))[:, None]
   for i in range(blocks):
-    u_ref[i] = sum(_dot(t[i, j], bv(j), dtype) for j in range(i + 1)).astype(u_ref.dtype)
-    w_ref[i] = sum(_dot(t[i, j], xw(j), dtype) for j in range(i + 1)).astype(w_ref.dtype)
-
-
-def chunk_a(k_BGNCK, beta_BHNC, gamma_BHNC, seg_BNC, dtype):
-  """A [B, H, N, C, C] float32, each chunk's strictly lower (diag(β) K Kᵀ) ⊙ D, in XLA (`chunk_wy`'s backward)."""
-  b, hk, n, c, _ = k_BGNCK.shape
-  groups = lambda x_BHNC: x_BHNC.reshape(b, hk, -1, n, c)
-  kk_BGNCC = operand_einsum("bgnck,bgnsk->bgncs", k_BGNCK, k_BGNCK, dtype)
-  a_BGRNCC = (kk_BGNCC[:, :, None] * groups(beta_BHNC)[..., None]
-              * gdc.decays(groups(gamma_BHNC), gdc.sees(seg_BNC, diagonal=False)[:, None, None]))
-  return a_BGRNCC.reshape(b, -1, n, c, c)
+    u_ref[i] = sum(dot(t[i, j], bv(j), dtype) for j in range(i + 1)).astype(u_ref.dtype)
+    w_ref[i] = sum(dot(t[i, j], xw(j), dtype) for j in range(i + 1)).astype(w_ref.dtype)
 
 
 def wy_xla(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, dtype):
@@ -162,7 +149,11 @@ def takes_the_kernels(chunk_size):
   return chunk_size >= BLOCK and chunk_size & (chunk_size - 1) == 0
 
 
-def _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
+def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
+  """(T, U, W) [B, H, N, C, ·] in `dtype`, U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹, A each chunk's
+  strictly lower (diag(β) K Kᵀ) ⊙ D, all in one kernel, one program per (row, value head, chunk): from the keys
+  [B, G, N, C, K] and values [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and the documents
+  [B, N, C]. T in float32 inside, rounded to `dtype` where a matmul reads it and where it is stored."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
   blocks, sq = c // BLOCK, pl.squeezed
@@ -178,71 +169,22 @@ def _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype
   out_shape = [jax.ShapeDtypeStruct(t_view, dtype), jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, v), dtype),
                jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, k), dtype)]
   by_blocks = lambda x: x.reshape(*x.shape[:3], blocks, BLOCK, *x.shape[4:])
-  t, u, w = _call(functools.partial(_chunk_wy_kernel, dtype=dtype), (b, h, n), in_specs, out_specs, out_shape,
+  t, u, w = call(functools.partial(_chunk_wy_kernel, dtype=dtype), (b, h, n), in_specs, out_specs, out_shape,
                   interpret, "gated_delta_chunk_wy")(
                       k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
                       by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
   return t.reshape(b, h, n, c, c), u.reshape(b, h, n, c, v), w.reshape(b, h, n, c, k)
 
 
-def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
-  """(T, U, W) [B, H, N, C, ·] in `dtype`, U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹ and A each chunk's
-  (`chunk_a`), all in one kernel, one program per (row, value head, chunk): from the keys [B, G, N, C, K] and values
-  [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and the documents [B, N, C]. T in float32 inside,
-  rounded to `dtype` where a matmul reads it and where it is stored. Not differentiable: the backward recomputes U
-  and W from T (`wy_from_inverse`)."""
-  return _chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def wy_from_inverse(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype):
-  """`chunk_wy`'s U and W again from its T (`wy_xla`: two batched matmuls, no inverse), differentiable w.r.t. k, v,
-  β and Γ through T too (T's own cotangent is dropped: T is `chunk_wy`'s of the same k, β, Γ)."""
-  return wy_xla(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, dtype)
-
-
-def _wy_from_inverse_fwd(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype):
-  residuals = (t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC)
-  return wy_from_inverse(*residuals, dtype), residuals
-
-
-def _wy_from_inverse_bwd(dtype, residuals, cotangents):
-  t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC = residuals
-  _, wy_vjp = jax.vjp(lambda t, k, v, beta, gamma: wy_xla(t, k, v, beta, gamma, reads_BNC, dtype),
-                      t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC)
-  dt_BHNCC, dk_BGNCK, dv_BHNCV, dbeta_BHNC, dgamma_BHNC = wy_vjp(cotangents)
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  da_BHNCC = -mm("...rt,...ut->...ru", mm("...sr,...st->...rt", t_BHNCC, dt_BHNCC), t_BHNCC)  # −Tᵀ dT Tᵀ
-  _, a_vjp = jax.vjp(lambda *x: chunk_a(*x, seg_BNC, dtype), k_BGNCK, beta_BHNC, gamma_BHNC)
-  da_k, da_beta, da_gamma = a_vjp(da_BHNCC)
-  return None, dk_BGNCK + da_k, dv_BHNCV, dbeta_BHNC + da_beta, dgamma_BHNC + da_gamma, None, None
-
-
-wy_from_inverse.defvjp(_wy_from_inverse_fwd, _wy_from_inverse_bwd)
-
-
 def _state_forward_kernel(kd_ref, w_ref, u_ref, decay_ref, state_ref, states_ref, vnew_ref, final_ref, *,
                           num_chunks, dtype):
   def chunk(n, s_KJ):
     states_ref[n] = s_KJ.astype(states_ref.dtype)
-    vnew_CJ = u_ref[n].astype(jnp.float32) - _dot(w_ref[n], s_KJ, dtype)
+    vnew_CJ = u_ref[n].astype(jnp.float32) - dot(w_ref[n], s_KJ, dtype)
     vnew_ref[n] = vnew_CJ.astype(vnew_ref.dtype)
-    return decay_ref[pl.ds(n, 1)] * s_KJ + _dot(kd_ref[n], vnew_CJ, dtype, trans_a=True)
+    return decay_ref[pl.ds(n, 1)] * s_KJ + dot(kd_ref[n], vnew_CJ, dtype, trans_a=True)
 
   final_ref[...] = lax.fori_loop(0, num_chunks, chunk, state_ref[...])
-
-
-def _state_backward_kernel(kd_ref, w_ref, decay_ref, dstates_ref, dvnew_in_ref, dfinal_ref,
-                           dcarry_ref, dvnew_ref, dstate_ref, *, num_chunks, dtype):
-  def chunk(i, ds_KJ):
-    n = num_chunks - 1 - i
-    dcarry_ref[n] = ds_KJ.astype(dcarry_ref.dtype)
-    dvnew_CJ = dvnew_in_ref[n].astype(jnp.float32) + _dot(kd_ref[n], ds_KJ, dtype)
-    dvnew_ref[n] = dvnew_CJ.astype(dvnew_ref.dtype)
-    return (decay_ref[pl.ds(n, 1)] * ds_KJ + dstates_ref[n].astype(jnp.float32)
-            - _dot(w_ref[n], dvnew_CJ, dtype, trans_a=True))
-
-  dstate_ref[...] = lax.fori_loop(0, num_chunks, chunk, dfinal_ref[...].astype(jnp.float32))
 
 
 def block_v(b, h, v):
@@ -265,89 +207,45 @@ def _specs(n, c, k, block):
       state=pl.BlockSpec((sq, sq, k, block), lambda bi, hi, ji: (bi, hi, 0, ji)))
 
 
-def _grid_and_specs(kd, u):
+def state_specs(kd, u):
   b, h, n, c, k = kd.shape
   v = u.shape[-1]
   block = block_v(b, h, v)
   return (b, h, v // block), _specs(n, c, k, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def state_pass(kd, w, u, decay, state, dtype, interpret):
+def state_forward(kd, w, u, decay, state, dtype, interpret):
   """The loop over chunks: (S_n [B, H, N, K, V] the state entering each chunk, in `dtype`; V_new [B, H, N, C, V] in
   `dtype`; the final state [B, H, K, V] float32), from Kd, W [B, H, N, C, K] and U [B, H, N, C, V] in `dtype`, the
   decays [B, H, N] and the initial state [B, H, K, V], float32."""
   b, h, n, c, k = kd.shape
   v = u.shape[-1]
-  grid, spec = _grid_and_specs(kd, u)
+  grid, spec = state_specs(kd, u)
   out_shape = [jax.ShapeDtypeStruct((b, h, n, k, v), dtype), jax.ShapeDtypeStruct(u.shape, dtype),
                jax.ShapeDtypeStruct(state.shape, jnp.float32)]
   kernel = functools.partial(_state_forward_kernel, num_chunks=n, dtype=dtype)
-  return _call(kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["chunk_v"], spec["decay"], spec["state"]],
+  return call(kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["chunk_v"], spec["decay"], spec["state"]],
                [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
                "gated_delta_state_forward", STATE_STAGES)(kd, w, u, decay, state)
-
-
-def _state_pass_fwd(kd, w, u, decay, state, dtype, interpret):
-  states, vnew, final = state_pass(kd, w, u, decay, state, dtype, interpret)
-  return (states, vnew, final), (kd, w, decay, states, vnew)
-
-
-def _state_pass_bwd(dtype, interpret, residuals, cotangents):
-  kd, w, decay, states, vnew = residuals
-  dstates, dvnew_in, dfinal = cotangents
-  n = kd.shape[2]
-  grid, spec = _grid_and_specs(kd, vnew)
-  out_shape = [jax.ShapeDtypeStruct(states.shape, dtype), jax.ShapeDtypeStruct(vnew.shape, dtype),
-               jax.ShapeDtypeStruct(dfinal.shape, jnp.float32)]
-  kernel = functools.partial(_state_backward_kernel, num_chunks=n, dtype=dtype)
-  dcarry, dvnew, dstate = _call(
-      kernel, grid, [spec["chunk_k"], spec["chunk_k"], spec["decay"], spec["states"], spec["chunk_v"],
-                     spec["state"]], [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
-      "gated_delta_state_backward", STATE_STAGES)(kd, w, decay, dstates, dvnew_in, dfinal)
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  dkd = mm("bhncv,bhnkv->bhnck", vnew, dcarry)
-  dw = -mm("bhncv,bhnkv->bhnck", dvnew, states)
-  ddecay = jnp.sum(states.astype(jnp.float32) * dcarry.astype(jnp.float32), axis=(-2, -1))
-  return dkd.astype(kd.dtype), dw.astype(w.dtype), dvnew, ddecay, dstate
-
-
-state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
 def _output_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, o_ref, *, dtype):
   """One chunk's O [C, J] = (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new."""
   gamma_C, seg_C = gamma_ref[...], seg_ref[...]
-  rows_CC, cols_CC = _iotas(gamma_C.shape[0])
+  rows_CC, cols_CC = iotas(gamma_C.shape[0])
   sees_CC = (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC)
   q_CK = q_ref[...]
   qd_CK = q_CK.astype(jnp.float32) * (reads_ref[...] * jnp.exp(gamma_C))[:, None]
-  p_CC = _dot(q_CK, k_ref[...], dtype, trans_b=True) * _decay(gamma_C, gamma_C, sees_CC)
-  o_ref[...] = (_dot(qd_CK, states_ref[...], dtype) + _dot(p_CC, vnew_ref[...], dtype)).astype(o_ref.dtype)
+  p_CC = dot(q_CK, k_ref[...], dtype, trans_b=True) * decay(gamma_C, gamma_C, sees_CC)
+  o_ref[...] = (dot(qd_CK, states_ref[...], dtype) + dot(p_CC, vnew_ref[...], dtype)).astype(o_ref.dtype)
 
 
-def output_xla(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, out_dtype, dtype):
-  """`chunk_output` in XLA, [B, N·C, H, V]: its backward differentiates it."""
-  b, hk, n, c, _ = q_BGNCK.shape
-  h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
-  groups = lambda x_BH_: x_BH_.reshape(b, hk, h // hk, *x_BH_.shape[2:])
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  gamma_BGRNC = groups(gamma_BHNC)
-  qd_BGRNCK = scaled(q_BGNCK, reads_BNC[:, None, None] * jnp.exp(gamma_BGRNC), dtype)
-  p_BGRNCC = (mm("bgnck,bgnsk->bgncs", q_BGNCK, k_BGNCK)[:, :, None]
-              * gdc.decays(gamma_BGRNC, gdc.sees(seg_BNC)[:, None, None]))
-  o_BGRNCV = (mm("bgrnck,bgrnkv->bgrncv", qd_BGRNCK, groups(states_BHNKV))
-              + mm("bgrncs,bgrnsv->bgrncv", p_BGRNCC, groups(vnew_BHNCV)))
-  return jnp.moveaxis(o_BGRNCV.reshape(b, h, n * c, v), 1, 2).astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def chunk_output(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, out_dtype, dtype,
                  interpret):
   """O [B, N·C, H, V] in `out_dtype`, each chunk's (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new in one kernel (P never
   leaves it), written straight into the output's layout: from q and k [B, G, N, C, K], Γ [B, H, N, C], m and the
   documents [B, N, C], S_n [B, H, N, K, V] and V_new [B, H, N, C, V]. One program per (row, head, chunk, block of
-  up to 128 columns of V). Backward: `output_xla`'s."""
+  up to 128 columns of V)."""
   b, hk, n, c, k = q_BGNCK.shape
   h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
   block, sq = math.gcd(v, 128), pl.squeezed
@@ -358,25 +256,9 @@ def chunk_output(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV,
               pl.BlockSpec((sq, sq, sq, k, block), lambda bi, hi, ni, ji: (bi, hi, ni, 0, ji)),
               pl.BlockSpec((sq, sq, sq, c, block), lambda bi, hi, ni, ji: (bi, hi, ni, 0, ji))]
   out_spec = pl.BlockSpec((sq, c, sq, block), lambda bi, hi, ni, ji: (bi, ni, hi, ji))
-  return _call(functools.partial(_output_kernel, dtype=dtype), (b, h, n, v // block), in_specs, out_spec,
+  return call(functools.partial(_output_kernel, dtype=dtype), (b, h, n, v // block), in_specs, out_spec,
                jax.ShapeDtypeStruct((b, n * c, h, v), out_dtype), interpret, "gated_delta_chunk_output")(
                    q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
-
-
-def _chunk_output_fwd(*args):
-  return chunk_output(*args), args[:7]
-
-
-def _chunk_output_bwd(out_dtype, dtype, interpret, residuals, do_BSHV):
-  q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV = residuals
-  _, o_vjp = jax.vjp(lambda q, k, gamma, states, vnew: output_xla(q, k, gamma, reads_BNC, seg_BNC, states, vnew,
-                                                                  out_dtype, dtype),
-                     q_BGNCK, k_BGNCK, gamma_BHNC, states_BHNKV, vnew_BHNCV)
-  dq, dk, dgamma, dstates, dvnew = o_vjp(do_BSHV)
-  return dq, dk, dgamma, None, None, dstates, dvnew
-
-
-chunk_output.defvjp(_chunk_output_fwd, _chunk_output_bwd)
 
 
 def scaled(x_BGNCK, scale_BGRNC, dtype):

@@ -1,0 +1,231 @@
+"""The gated delta rule's backward in Pallas (Triton) kernels, on the chunked form (`gated_delta`'s docstring) in
+head-major layout, q and k at their key heads; `gated_delta_kernel_path` runs them after rerunning the forward's
+state pass. With S_n the state entering chunk n, V_new its new values and dS' the gradient of the state leaving it:
+
+- `output_backward`, from dO: of O = Qd S_n + P V_new (Qd = Q ⊙ m exp(Γ), P = (Q Kᵀ) ⊙ D) the cotangent
+  ∂V_new = Pᵀ dO that the state pass's backward takes, and dQ, dK, dΓ:
+    dQd = dO S_nᵀ,  dP = dO V_newᵀ,  dQ = dQd ⊙ m exp(Γ) + (dP ⊙ D) K,  dK = (dP ⊙ D)ᵀ Q,
+    dΓ_r = Σ_k dQd ⊙ Qd + Σ_s (dP ⊙ P)_rs − Σ_s (dP ⊙ P)_sr.
+- `state_backward`: the loop over chunks from the last down (`gated_delta_kernels`' docstring), forming S_n's
+  cotangent ∂S_n = Qdᵀ dO in the loop (fla's choice: it never reaches memory).
+- `wy_backward`, from the state pass's dS' and dV_new and the forward's T = (I + A)⁻¹: of V_new = U − W S_n,
+  S_{n+1} = d S_n + Kdᵀ V_new, U = T βV, W = T Xw (Xw = K ⊙ β m exp(Γ)), Kd = K ⊙ e exp(Γ_C − Γ),
+  A = strictly lower (diag(β) K Kᵀ) ⊙ D:
+    dW = −dV_new S_nᵀ,  dKd = V_new dS'ᵀ,  dd = Σ S_n ⊙ dS',  dT = dV_new (βV)ᵀ + dW Xwᵀ,
+    dV = β ⊙ Tᵀ dV_new,  dXw = Tᵀ dW,  dA = −Tᵀ dT Tᵀ,
+  then through Xw, Kd, d and A to dK, dβ and dΓ.
+
+Each program takes one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and
+leave in float32 at the key heads; the other gradients are per value head, float32 (dV in v's dtype). The value
+columns go in blocks of up to 128 (a loop in the program). Each takes `interpret` as the forward kernels do.
+
+Shape letters: see relaymoe_jax (the gated delta rule's own).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from models.attention.gated_delta_kernels import STATE_STAGES, block_v, call, decay, dot, iotas, state_specs
+
+BWD_WARPS = 8  # the backward programs hold several [C, K] float32 accumulators: 4 warps would spill them
+
+
+def _value_blocks(v):
+  """(width, count) of the value-column blocks a program loops over."""
+  width = math.gcd(v, 128)
+  return width, v // width
+
+
+def _sees(seg_C, strict):
+  rows_CC, cols_CC = iotas(seg_C.shape[0])
+  lower_CC = rows_CC > cols_CC if strict else rows_CC >= cols_CC
+  return (seg_C[:, None] == seg_C[None, :]) & lower_CC
+
+
+def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, do_ref,
+                            dq_ref, dk_ref, dgamma_ref, dvnew_ref, *, dtype):
+  """One (row, key head, chunk): q_ref, k_ref [C, K]; per value head r: gamma_ref [R, C], states_ref [R, K, V],
+  vnew_ref [R, C, V], do_ref [C, R, V] (the output's layout); outputs dq_ref, dk_ref [C, K], dgamma_ref [R, C],
+  dvnew_ref [R, C, V]."""
+  q_CK, k_CK = q_ref[...], k_ref[...]
+  qk_CC = dot(q_CK, k_CK, dtype, trans_b=True)
+  sees_CC = _sees(seg_ref[...], strict=False)
+  width, blocks = _value_blocks(vnew_ref.shape[-1])
+  dq_CK = jnp.zeros(q_CK.shape, jnp.float32)
+  dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
+  for r in range(gamma_ref.shape[0]):
+    gamma_C = gamma_ref[r]
+    scale_C = reads_ref[...] * jnp.exp(gamma_C)
+    d_CC = decay(gamma_C, gamma_C, sees_CC)
+    p_CC = qk_CC * d_CC
+    dqd_CK = jnp.zeros(q_CK.shape, jnp.float32)
+    dp_CC = jnp.zeros(qk_CC.shape, jnp.float32)
+    for j in range(blocks):
+      cols = pl.ds(j * width, width)
+      do_CJ = do_ref[:, r, cols]
+      dqd_CK += dot(do_CJ, states_ref[r, :, cols], dtype, trans_b=True)
+      dp_CC += dot(do_CJ, vnew_ref[r, :, cols], dtype, trans_b=True)
+      dvnew_ref[r, :, cols] = dot(p_CC, do_CJ, dtype, trans_a=True).astype(dvnew_ref.dtype)
+    ds_CC = dp_CC * d_CC
+    dq_CK += dqd_CK * scale_C[:, None] + dot(ds_CC, k_CK, dtype)
+    dk_CK += dot(ds_CC, q_CK, dtype, trans_a=True)
+    g_CC = dp_CC * p_CC
+    dgamma_ref[r] = (jnp.sum(dqd_CK * q_CK.astype(jnp.float32), axis=1) * scale_C + jnp.sum(g_CC, axis=1)
+                     - jnp.sum(g_CC, axis=0))
+  dq_ref[...] = dq_CK
+  dk_ref[...] = dk_CK
+
+
+def _by_key_head(b, hk, r, n, c):
+  """BlockSpec makers over the grid (row, key head, chunk)."""
+  sq = pl.squeezed
+  key = lambda *tail: pl.BlockSpec((sq, sq, sq) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
+  value = lambda *tail: pl.BlockSpec((sq, r, sq) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
+  position = pl.BlockSpec((sq, sq, c), lambda bi, gi, ni: (bi, ni, 0))
+  return key, value, position
+
+
+def output_backward(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, do_BSHV, dtype,
+                    interpret):
+  """(dQ, dK [B, G, N, C, K], dΓ [B, H, N, C], float32; ∂V_new [B, H, N, C, V] in `dtype`) of the forward's
+  `chunk_output` from dO [B, N·C, H, V] (∂S_n: `state_backward` forms it in its loop)."""
+  b, hk, n, c, k = q_BGNCK.shape
+  h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
+  r = h // hk
+  key, value, position = _by_key_head(b, hk, r, n, c)
+  sq = pl.squeezed
+  do_spec = pl.BlockSpec((sq, c, r, v), lambda bi, gi, ni: (bi, ni, gi, 0))
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  out_shape = [f32(q_BGNCK.shape), f32(k_BGNCK.shape), f32(gamma_BHNC.shape),
+               jax.ShapeDtypeStruct(vnew_BHNCV.shape, dtype)]
+  return call(functools.partial(_output_backward_kernel, dtype=dtype), (b, hk, n),
+              [key(c, k), key(c, k), value(c), position, position, value(k, v), value(c, v), do_spec],
+              [key(c, k), key(c, k), value(c), value(c, v)], out_shape, interpret,
+              "gated_delta_output_backward", num_warps=BWD_WARPS)(
+                  q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, do_BSHV)
+
+
+def _state_backward_kernel(kd_ref, w_ref, q_ref, gamma_ref, reads_ref, decay_ref, do_ref, dvnew_in_ref, dfinal_ref,
+                           dcarry_ref, dvnew_ref, dstate_ref, *, num_chunks, dtype):
+  c = q_ref.shape[1]
+
+  def chunk(i, ds_KJ):
+    n = num_chunks - 1 - i
+    dcarry_ref[n] = ds_KJ.astype(dcarry_ref.dtype)
+    dvnew_CJ = dvnew_in_ref[n].astype(jnp.float32) + dot(kd_ref[n], ds_KJ, dtype)
+    dvnew_ref[n] = dvnew_CJ.astype(dvnew_ref.dtype)
+    qd_CK = q_ref[n].astype(jnp.float32) * (reads_ref[n] * jnp.exp(gamma_ref[n]))[:, None]
+    return (decay_ref[pl.ds(n, 1)] * ds_KJ + dot(qd_CK, do_ref[pl.ds(n * c, c)], dtype, trans_a=True)
+            - dot(w_ref[n], dvnew_CJ, dtype, trans_a=True))
+
+  dstate_ref[...] = lax.fori_loop(0, num_chunks, chunk, dfinal_ref[...].astype(jnp.float32))
+
+
+def state_backward(kd, w, q_BGNCK, gamma_BHNC, reads_BNC, decay_BHN, do_BSHV, dvnew_in, dfinal, dtype, interpret):
+  """The loop over chunks backward: (dS' [B, H, N, K, V], the gradient of the state leaving each chunk, and dV_new
+  [B, H, N, C, V], ∂V_new + Kd dS', in `dtype`; the initial state's gradient [B, H, K, V] float32), from Kd, W,
+  the decays and the output's cotangents: ∂S_n = (Q ⊙ m exp(Γ))ᵀ dO formed here from q [B, G, N, C, K], Γ, m and
+  dO [B, N·C, H, V]; ∂V_new (`output_backward`) and the final state's."""
+  b, h, n, c, k = kd.shape
+  grid, spec = state_specs(kd, dvnew_in)
+  block, sq = block_v(b, h, dvnew_in.shape[-1]), pl.squeezed
+  r = h // q_BGNCK.shape[1]
+  q_spec = pl.BlockSpec((sq, sq, n, c, k), lambda bi, hi, ji: (bi, hi // r, 0, 0, 0))
+  gamma_spec = pl.BlockSpec((sq, sq, n, c), lambda bi, hi, ji: (bi, hi, 0, 0))
+  reads_spec = pl.BlockSpec((sq, n, c), lambda bi, hi, ji: (bi, 0, 0))
+  do_spec = pl.BlockSpec((sq, n * c, sq, block), lambda bi, hi, ji: (bi, 0, hi, ji))
+  out_shape = [jax.ShapeDtypeStruct((b, h, n, k, dvnew_in.shape[-1]), dtype),
+               jax.ShapeDtypeStruct(dvnew_in.shape, dtype), jax.ShapeDtypeStruct(dfinal.shape, jnp.float32)]
+  kernel = functools.partial(_state_backward_kernel, num_chunks=n, dtype=dtype)
+  in_specs = [spec["chunk_k"], spec["chunk_k"], q_spec, gamma_spec, reads_spec, spec["decay"], do_spec,
+              spec["chunk_v"], spec["state"]]
+  return call(kernel, grid, in_specs, [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
+              "gated_delta_state_backward", STATE_STAGES)(kd, w, q_BGNCK, gamma_BHNC, reads_BNC, decay_BHN, do_BSHV,
+                                                          dvnew_in, dfinal)
+
+
+def _last(x_C, value):
+  """x with `value` added at the chunk's last position."""
+  return x_C + jnp.where(lax.broadcasted_iota(jnp.int32, x_C.shape, 0) == x_C.shape[0] - 1, value, 0.0)
+
+
+def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, writes_ref, keeps_ref, seg_ref, t_ref,
+                        states_ref, dcarry_ref, vnew_ref, dvnew_ref, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *,
+                        dtype):
+  """One (row, key head, chunk): k_ref [C, K]; per value head r: v_ref, vnew_ref, dvnew_ref [R, C, V], beta_ref,
+  gamma_ref [R, C], t_ref [R, C, C], states_ref, dcarry_ref [R, K, V]; reads, writes and documents [C], keeps [1];
+  outputs dk_ref [C, K], dv_ref [R, C, V], dbeta_ref, dgamma_ref [R, C]."""
+  k_CK = k_ref[...]
+  kf_CK = k_CK.astype(jnp.float32)
+  kk_CC = dot(k_CK, k_CK, dtype, trans_b=True)
+  sees_CC = _sees(seg_ref[...], strict=True)
+  width, blocks = _value_blocks(v_ref.shape[-1])
+  dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
+  for r in range(beta_ref.shape[0]):
+    beta_C, gamma_C, t_CC = beta_ref[r], gamma_ref[r], t_ref[r]
+    gamma_end = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, gamma_C.shape, 0) == gamma_C.shape[0] - 1,
+                                  gamma_C, 0.0))
+    dw_CK = jnp.zeros(k_CK.shape, jnp.float32)
+    dkd_CK = jnp.zeros(k_CK.shape, jnp.float32)
+    dt_CC = jnp.zeros(t_CC.shape, jnp.float32)
+    dbeta_C = jnp.zeros(beta_C.shape, jnp.float32)
+    dd = jnp.zeros((), jnp.float32)
+    for j in range(blocks):
+      cols = pl.ds(j * width, width)
+      s_KJ, dcarry_KJ = states_ref[r, :, cols], dcarry_ref[r, :, cols]
+      dvnew_CJ, v_CJ = dvnew_ref[r, :, cols], v_ref[r, :, cols].astype(jnp.float32)
+      dw_CK -= dot(dvnew_CJ, s_KJ, dtype, trans_b=True)
+      dkd_CK += dot(vnew_ref[r, :, cols], dcarry_KJ, dtype, trans_b=True)
+      dd += jnp.sum(s_KJ.astype(jnp.float32) * dcarry_KJ.astype(jnp.float32))
+      dt_CC += dot(dvnew_CJ, v_CJ * beta_C[:, None], dtype, trans_b=True)
+      dbv_CJ = dot(t_CC, dvnew_CJ, dtype, trans_a=True)
+      dv_ref[r, :, cols] = (dbv_CJ * beta_C[:, None]).astype(dv_ref.dtype)
+      dbeta_C += jnp.sum(dbv_CJ * v_CJ, axis=1)
+    # W = T Xw, Xw = K ⊙ β m exp(Γ)
+    read_C = reads_ref[...] * jnp.exp(gamma_C)
+    xw_CK = kf_CK * (beta_C * read_C)[:, None]
+    dt_CC += dot(dw_CK, xw_CK, dtype, trans_b=True)
+    dxw_CK = dot(t_CC, dw_CK, dtype, trans_a=True)
+    dk_CK += dxw_CK * (beta_C * read_C)[:, None]
+    dbeta_C += jnp.sum(dxw_CK * kf_CK, axis=1) * read_C
+    dgamma_C = jnp.sum(dxw_CK * xw_CK, axis=1)
+    # Kd = K ⊙ e exp(Γ_C − Γ); the state's decay d = c exp(Γ_C)
+    write_C = writes_ref[...] * jnp.exp(gamma_end - gamma_C)
+    dk_CK += dkd_CK * write_C[:, None]
+    gkd_C = jnp.sum(dkd_CK * kf_CK, axis=1) * write_C
+    dgamma_C = _last(dgamma_C - gkd_C, jnp.sum(gkd_C) + dd * jnp.sum(keeps_ref[...]) * jnp.exp(gamma_end))
+    # A = strictly lower (diag(β) K Kᵀ) ⊙ D, dA = −Tᵀ dT Tᵀ
+    da_CC = -dot(dot(t_CC, dt_CC, dtype, trans_a=True), t_CC, dtype, trans_b=True)
+    d_CC = decay(gamma_C, gamma_C, sees_CC)
+    dkk_CC = da_CC * d_CC * beta_C[:, None]
+    dk_CK += dot(dkk_CC, k_CK, dtype) + dot(dkk_CC, k_CK, dtype, trans_a=True)
+    g_CC = dkk_CC * kk_CC
+    dbeta_ref[r] = dbeta_C + jnp.sum(da_CC * d_CC * kk_CC, axis=1)
+    dgamma_ref[r] = dgamma_C + jnp.sum(g_CC, axis=1) - jnp.sum(g_CC, axis=0)
+  dk_ref[...] = dk_CK
+
+
+def wy_backward(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, masks, seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV,
+                vnew_BHNCV, dvnew_BHNCV, dtype, interpret):
+  """(dK [B, G, N, C, K] float32, dV [B, H, N, C, V] in v's dtype, dβ and dΓ [B, H, N, C] float32) through W, U, T,
+  A, Kd and the state's decay, from the state pass's dS' and dV_new (`state_backward`) and the forward's T, S_n and
+  V_new; `masks` the chunks' (`gated_delta_chunks.Masks`)."""
+  b, hk, n, c, k = k_BGNCK.shape
+  h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
+  key, value, position = _by_key_head(b, hk, h // hk, n, c)
+  keeps = pl.BlockSpec((pl.squeezed, pl.squeezed, 1), lambda bi, gi, ni: (bi, ni, 0))
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  out_shape = [f32(k_BGNCK.shape), jax.ShapeDtypeStruct(v_BHNCV.shape, v_BHNCV.dtype), f32(beta_BHNC.shape),
+               f32(gamma_BHNC.shape)]
+  in_specs = [key(c, k), value(c, v), value(c), value(c), position, position, keeps, position, value(c, c),
+              value(k, v), value(k, v), value(c, v), value(c, v)]
+  return call(functools.partial(_wy_backward_kernel, dtype=dtype), (b, hk, n), in_specs,
+              [key(c, k), value(c, v), value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward",
+              num_warps=BWD_WARPS)(
+                  k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, masks.reads_BNC, masks.writes_BNC,
+                  masks.keeps_BN[..., None], seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
