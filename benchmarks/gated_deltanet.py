@@ -9,8 +9,9 @@ formulation and fla's Triton kernels, forward and forward + backward, in one run
 Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-normalised in the rule) and v
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
 `jax.value_and_grad` of Σ o ⊙ w over q, k, v, g and β (fla: `backward` of the same sum).
-  pallas   `gated_delta_rule(state_kernel="pallas")`: the chunks' inverses and the loop over chunks as this project's
-           Pallas kernels, the rest batched matmuls, all on bfloat16 operands;
+  pallas   `gated_delta_rule(state_kernel="pallas")`: forward and backward in this project's Pallas kernels (the
+           chunks' inverses, the loop over chunks, the output; the backward's three), XLA's elementwise work around
+           them, all matmuls on bfloat16 operands;
   xla      `gated_delta_rule`: the chunked form in XLA, float32 at HIGHEST precision, the loop a `lax.scan`;
   xla_bf16chunks  the same with `chunk_dtype=bfloat16`: the chunks' own matmuls on bfloat16 operands;
   maxtext  MaxText's training formulation, written here from its description (`maxtext_gated_delta_rule`):

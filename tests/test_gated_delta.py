@@ -99,12 +99,15 @@ def test_matches_recurrent_with_gradients(documents):
 
 @pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
-  """The kernel path (`gated_delta_kernels`' three kernels, in Pallas' interpreter here; `pytest -m gpu` runs them
-  compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the state pass runs
-  several blocks of V. Mutants killed: the inverse's block-merge sign or its diagonal blocks' substitution sign
-  flipped, A's diagonal kept, U without β or without its diagonal block, W without m, A's gradient of Γ dropped, the
-  output without its causal mask or without m, the output's gradient of Γ dropped, the decay left out of dS, dV_new
-  without Kd dS, dS without the output's cotangent of S_n, dKd halved."""
+  """The kernel path (the forward's three kernels and the backward's three, in Pallas' interpreter here; `pytest -m
+  gpu` runs them compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the state pass runs
+  several blocks of V and the backward's programs loop over two. Mutants killed: the inverse's block-merge sign or
+  its diagonal blocks' substitution sign flipped, A's diagonal kept, U without β or without its diagonal block, W
+  without m, the output without its causal mask or without m, the decay left out of dS, dV_new without Kd dS; in
+  the backward kernels: the output's dΓ without D's column term, its dQ without m exp(Γ), its dK without D, ∂V_new
+  from P untransposed, ∂S_n dropped or without m, dβ through W without m exp(Γ), Kd's dΓ dropped, dA without β, dK
+  through A one-sided, A's diagonal kept, dV without β, dW's sign, dT without dW Xwᵀ, the state's decay's dΓ
+  dropped, only the first block of V."""
   x = make_inputs(130, a_max=1.0)
   x["v"] = np.concatenate([x["v"]] * (2 * gk.BLOCK_V // V), axis=-1)
   x["initial_state"] = np.concatenate([x["initial_state"]] * (2 * gk.BLOCK_V // V), axis=-1)

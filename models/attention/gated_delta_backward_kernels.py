@@ -17,7 +17,7 @@ state pass. With S_n the state entering chunk n, V_new its new values and dS' th
 
 Each program takes one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and
 leave in float32 at the key heads; the other gradients are per value head, float32 (dV in v's dtype). The value
-columns go in blocks of up to 128 (a loop in the program). Each takes `interpret` as the forward kernels do.
+columns go in blocks of BLOCK_V (a loop in the program). Each takes `interpret` as the forward kernels do.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -30,21 +30,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from models.attention.gated_delta_kernels import STATE_STAGES, block_v, call, decay, dot, iotas, state_specs
+from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, sees_in_chunk,
+                                                  state_specs)
 
 BWD_WARPS = 8  # the backward programs hold several [C, K] float32 accumulators: 4 warps would spill them
 
 
 def _value_blocks(v):
-  """(width, count) of the value-column blocks a program loops over."""
-  width = math.gcd(v, 128)
+  """(width, count) of the value-column blocks a program loops over: BLOCK_V wide, as fla's backward (and the tests'
+  V = 2 BLOCK_V runs the loop twice)."""
+  width = math.gcd(v, BLOCK_V)
   return width, v // width
-
-
-def _sees(seg_C, strict):
-  rows_CC, cols_CC = iotas(seg_C.shape[0])
-  lower_CC = rows_CC > cols_CC if strict else rows_CC >= cols_CC
-  return (seg_C[:, None] == seg_C[None, :]) & lower_CC
 
 
 def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, do_ref,
@@ -54,7 +50,7 @@ def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_
   dvnew_ref [R, C, V]."""
   q_CK, k_CK = q_ref[...], k_ref[...]
   qk_CC = dot(q_CK, k_CK, dtype, trans_b=True)
-  sees_CC = _sees(seg_ref[...], strict=False)
+  sees_CC = sees_in_chunk(seg_ref[...])
   width, blocks = _value_blocks(vnew_ref.shape[-1])
   dq_CK = jnp.zeros(q_CK.shape, jnp.float32)
   dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
@@ -163,7 +159,7 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, writes_ref
   k_CK = k_ref[...]
   kf_CK = k_CK.astype(jnp.float32)
   kk_CC = dot(k_CK, k_CK, dtype, trans_b=True)
-  sees_CC = _sees(seg_ref[...], strict=True)
+  sees_CC = sees_in_chunk(seg_ref[...], diagonal=False)
   width, blocks = _value_blocks(v_ref.shape[-1])
   dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
   for r in range(beta_ref.shape[0]):

@@ -79,6 +79,12 @@ def iotas(size):
   return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 
 
+def sees_in_chunk(seg_C, diagonal=True):
+  """`gdc.sees` of one chunk in a kernel: [C, C], s ≤ r (s < r without the diagonal) in the same document."""
+  rows_CC, cols_CC = iotas(seg_C.shape[0])
+  return (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC if diagonal else rows_CC > cols_CC)
+
+
 def _diagonal_inverses(l_bss):
   """(I + L)⁻¹ of every strictly lower [16, 16] block of [blocks, 16, 16] by forward substitution, the blocks side by
   side: row i of T is e_i − Σ_j L_ij T_j (rows below i are still e_j, and L_ij = 0 there). Each step's two
@@ -231,9 +237,8 @@ def state_forward(kd, w, u, decay, state, dtype, interpret):
 
 def _output_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, o_ref, *, dtype):
   """One chunk's O [C, J] = (Q ⊙ m exp(Γ)) S_n + ((Q Kᵀ) ⊙ D) V_new."""
-  gamma_C, seg_C = gamma_ref[...], seg_ref[...]
-  rows_CC, cols_CC = iotas(gamma_C.shape[0])
-  sees_CC = (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC)
+  gamma_C = gamma_ref[...]
+  sees_CC = sees_in_chunk(seg_ref[...])
   q_CK = q_ref[...]
   qd_CK = q_CK.astype(jnp.float32) * (reads_ref[...] * jnp.exp(gamma_C))[:, None]
   p_CC = dot(q_CK, k_ref[...], dtype, trans_b=True) * decay(gamma_C, gamma_C, sees_CC)
