@@ -100,8 +100,8 @@ def test_matches_recurrent_with_gradients(documents):
 @pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   """The kernel path (the forward's three kernels and the backward's three, in Pallas' interpreter here; `pytest -m
-  gpu` runs them compiled): outputs, final state and every gradient, at V = 2 × BLOCK_V so that the state pass runs
-  several blocks of V and the backward's programs loop over two. Mutants killed: the inverse's block-merge sign or
+  gpu` runs them compiled): outputs, final state and every gradient, at K = V = 2 × BLOCK_V so that the state pass
+  runs several blocks of V and the backward's programs loop over two blocks of each. Mutants killed: the inverse's block-merge sign or
   its diagonal blocks' substitution sign flipped, A's diagonal kept, U without β or without its diagonal block, W
   without m, the output without its causal mask or without m, the decay left out of dS, dV_new without Kd dS; in
   the backward kernels: the output's dΓ without D's column term, its dQ without m exp(Γ), its dK without D, ∂V_new
@@ -109,10 +109,13 @@ def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   through A one-sided, A's diagonal kept, dV without β, dW's sign, dT without dW Xwᵀ, the state's decay's dΓ
   dropped, only the first block of V."""
   x = make_inputs(130, a_max=1.0)
-  x["v"] = np.concatenate([x["v"]] * (2 * gk.BLOCK_V // V), axis=-1)
-  x["initial_state"] = np.concatenate([x["initial_state"]] * (2 * gk.BLOCK_V // V), axis=-1)
-  seg = three_documents() if documents else np.zeros((B, 130), np.int32)
   rng = np.random.default_rng(2)
+  wide = 2 * gk.BLOCK_V
+  x["q"], x["k"] = (np.concatenate([x[n], rng.standard_normal(x[n].shape[:-1] + (wide - K,), np.float32)], axis=-1)
+                    for n in ("q", "k"))
+  x["v"] = np.concatenate([x["v"]] * (wide // V), axis=-1)
+  x["initial_state"] = 0.5 * rng.standard_normal((B, HV, wide, wide), np.float32)
+  seg = three_documents() if documents else np.zeros((B, 130), np.int32)
   w_o = rng.standard_normal(x["v"].shape, dtype=np.float32)
   w_s = rng.standard_normal(x["initial_state"].shape, dtype=np.float32)
   o, s, dx = run_and_grads(functools.partial(gated_delta_rule, state_kernel="pallas"), x, w_o, w_s, seg)

@@ -16,8 +16,8 @@ state pass. With S_n the state entering chunk n, V_new its new values and dS' th
   then through Xw, Kd, d and A to dK, dβ and dΓ.
 
 Each program takes one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and
-leave in float32 at the key heads; the other gradients are per value head, float32 (dV in v's dtype). The value
-columns go in blocks of BLOCK_V (a loop in the program). Each takes `interpret` as the forward kernels do.
+leave in float32 at the key heads; the other gradients are per value head, float32 (dV in v's dtype). Key and value
+columns go in blocks of BLOCK_V (loops in the program). Each takes `interpret` as the forward kernels do.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -33,14 +33,12 @@ from jax.experimental import pallas as pl
 from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, sees_in_chunk,
                                                   state_specs)
 
-BWD_WARPS = 8  # the backward programs hold several [C, K] float32 accumulators: 4 warps would spill them
-
-
-def _value_blocks(v):
-  """(width, count) of the value-column blocks a program loops over: BLOCK_V wide, as fla's backward (and the tests'
-  V = 2 BLOCK_V runs the loop twice)."""
-  width = math.gcd(v, BLOCK_V)
-  return width, v // width
+def _column_blocks(width):
+  """Slices of a [·, width] tile in blocks of BLOCK_V columns (fla's backward tiles): the backward's programs hold
+  [C, BLOCK_V] float32 accumulators, not [C, K] ones that would spill their registers. The tests' K = V = 2 BLOCK_V
+  run every such loop twice."""
+  block = math.gcd(width, BLOCK_V)
+  return [pl.ds(i * block, block) for i in range(width // block)]
 
 
 def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_ref, vnew_ref, do_ref,
@@ -48,33 +46,34 @@ def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_
   """One (row, key head, chunk): q_ref, k_ref [C, K]; per value head r: gamma_ref [R, C], states_ref [R, K, V],
   vnew_ref [R, C, V], do_ref [C, R, V] (the output's layout); outputs dq_ref, dk_ref [C, K], dgamma_ref [R, C],
   dvnew_ref [R, C, V]."""
-  q_CK, k_CK = q_ref[...], k_ref[...]
-  qk_CC = dot(q_CK, k_CK, dtype, trans_b=True)
+  keys, values = _column_blocks(q_ref.shape[1]), _column_blocks(vnew_ref.shape[-1])
+  qk_CC = sum(dot(q_ref[:, kc], k_ref[:, kc], dtype, trans_b=True) for kc in keys)
   sees_CC = sees_in_chunk(seg_ref[...])
-  width, blocks = _value_blocks(vnew_ref.shape[-1])
-  dq_CK = jnp.zeros(q_CK.shape, jnp.float32)
-  dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
+  dq = [jnp.zeros((qk_CC.shape[0], kc.size), jnp.float32) for kc in keys]
+  dk = list(dq)
   for r in range(gamma_ref.shape[0]):
     gamma_C = gamma_ref[r]
     scale_C = reads_ref[...] * jnp.exp(gamma_C)
     d_CC = decay(gamma_C, gamma_C, sees_CC)
     p_CC = qk_CC * d_CC
-    dqd_CK = jnp.zeros(q_CK.shape, jnp.float32)
     dp_CC = jnp.zeros(qk_CC.shape, jnp.float32)
-    for j in range(blocks):
-      cols = pl.ds(j * width, width)
-      do_CJ = do_ref[:, r, cols]
-      dqd_CK += dot(do_CJ, states_ref[r, :, cols], dtype, trans_b=True)
-      dp_CC += dot(do_CJ, vnew_ref[r, :, cols], dtype, trans_b=True)
-      dvnew_ref[r, :, cols] = dot(p_CC, do_CJ, dtype, trans_a=True).astype(dvnew_ref.dtype)
+    for vc in values:
+      do_CJ = do_ref[:, r, vc]
+      dp_CC += dot(do_CJ, vnew_ref[r, :, vc], dtype, trans_b=True)
+      dvnew_ref[r, :, vc] = dot(p_CC, do_CJ, dtype, trans_a=True).astype(dvnew_ref.dtype)
     ds_CC = dp_CC * d_CC
-    dq_CK += dqd_CK * scale_C[:, None] + dot(ds_CC, k_CK, dtype)
-    dk_CK += dot(ds_CC, q_CK, dtype, trans_a=True)
     g_CC = dp_CC * p_CC
-    dgamma_ref[r] = (jnp.sum(dqd_CK * q_CK.astype(jnp.float32), axis=1) * scale_C + jnp.sum(g_CC, axis=1)
-                     - jnp.sum(g_CC, axis=0))
-  dq_ref[...] = dq_CK
-  dk_ref[...] = dk_CK
+    dgamma_C = jnp.sum(g_CC, axis=1) - jnp.sum(g_CC, axis=0)
+    for i, kc in enumerate(keys):
+      q_CJ = q_ref[:, kc]
+      dqd_CJ = sum(dot(do_ref[:, r, vc], states_ref[r, kc, vc], dtype, trans_b=True) for vc in values)
+      dq[i] += dqd_CJ * scale_C[:, None] + dot(ds_CC, k_ref[:, kc], dtype)
+      dk[i] += dot(ds_CC, q_CJ, dtype, trans_a=True)
+      dgamma_C += jnp.sum(dqd_CJ * q_CJ.astype(jnp.float32), axis=1) * scale_C
+    dgamma_ref[r] = dgamma_C
+  for i, kc in enumerate(keys):
+    dq_ref[:, kc] = dq[i]
+    dk_ref[:, kc] = dk[i]
 
 
 def _by_key_head(b, hk, r, n, c):
@@ -102,7 +101,7 @@ def output_backward(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHN
   return call(functools.partial(_output_backward_kernel, dtype=dtype), (b, hk, n),
               [key(c, k), key(c, k), value(c), position, position, value(k, v), value(c, v), do_spec],
               [key(c, k), key(c, k), value(c), value(c, v)], out_shape, interpret,
-              "gated_delta_output_backward", num_warps=BWD_WARPS)(
+              "gated_delta_output_backward")(
                   q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV, do_BSHV)
 
 
@@ -156,54 +155,59 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, writes_ref
   """One (row, key head, chunk): k_ref [C, K]; per value head r: v_ref, vnew_ref, dvnew_ref [R, C, V], beta_ref,
   gamma_ref [R, C], t_ref [R, C, C], states_ref, dcarry_ref [R, K, V]; reads, writes and documents [C], keeps [1];
   outputs dk_ref [C, K], dv_ref [R, C, V], dbeta_ref, dgamma_ref [R, C]."""
-  k_CK = k_ref[...]
-  kf_CK = k_CK.astype(jnp.float32)
-  kk_CC = dot(k_CK, k_CK, dtype, trans_b=True)
+  keys, values = _column_blocks(k_ref.shape[1]), _column_blocks(v_ref.shape[-1])
+  kk_CC = sum(dot(k_ref[:, kc], k_ref[:, kc], dtype, trans_b=True) for kc in keys)
   sees_CC = sees_in_chunk(seg_ref[...], diagonal=False)
-  width, blocks = _value_blocks(v_ref.shape[-1])
-  dk_CK = jnp.zeros(k_CK.shape, jnp.float32)
+  dk = [jnp.zeros((kk_CC.shape[0], kc.size), jnp.float32) for kc in keys]
   for r in range(beta_ref.shape[0]):
     beta_C, gamma_C, t_CC = beta_ref[r], gamma_ref[r], t_ref[r]
     gamma_end = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, gamma_C.shape, 0) == gamma_C.shape[0] - 1,
                                   gamma_C, 0.0))
-    dw_CK = jnp.zeros(k_CK.shape, jnp.float32)
-    dkd_CK = jnp.zeros(k_CK.shape, jnp.float32)
-    dt_CC = jnp.zeros(t_CC.shape, jnp.float32)
+    # U = T βV
+    dt_CC = jnp.zeros(kk_CC.shape, jnp.float32)
     dbeta_C = jnp.zeros(beta_C.shape, jnp.float32)
-    dd = jnp.zeros((), jnp.float32)
-    for j in range(blocks):
-      cols = pl.ds(j * width, width)
-      s_KJ, dcarry_KJ = states_ref[r, :, cols], dcarry_ref[r, :, cols]
-      dvnew_CJ, v_CJ = dvnew_ref[r, :, cols], v_ref[r, :, cols].astype(jnp.float32)
-      dw_CK -= dot(dvnew_CJ, s_KJ, dtype, trans_b=True)
-      dkd_CK += dot(vnew_ref[r, :, cols], dcarry_KJ, dtype, trans_b=True)
-      dd += jnp.sum(s_KJ.astype(jnp.float32) * dcarry_KJ.astype(jnp.float32))
+    for vc in values:
+      dvnew_CJ, v_CJ = dvnew_ref[r, :, vc], v_ref[r, :, vc].astype(jnp.float32)
       dt_CC += dot(dvnew_CJ, v_CJ * beta_C[:, None], dtype, trans_b=True)
       dbv_CJ = dot(t_CC, dvnew_CJ, dtype, trans_a=True)
-      dv_ref[r, :, cols] = (dbv_CJ * beta_C[:, None]).astype(dv_ref.dtype)
+      dv_ref[r, :, vc] = (dbv_CJ * beta_C[:, None]).astype(dv_ref.dtype)
       dbeta_C += jnp.sum(dbv_CJ * v_CJ, axis=1)
-    # W = T Xw, Xw = K ⊙ β m exp(Γ)
+    # W = T Xw, Xw = K ⊙ β m exp(Γ); Kd = K ⊙ e exp(Γ_C − Γ); the state's decay d = c exp(Γ_C)
     read_C = reads_ref[...] * jnp.exp(gamma_C)
-    xw_CK = kf_CK * (beta_C * read_C)[:, None]
-    dt_CC += dot(dw_CK, xw_CK, dtype, trans_b=True)
-    dxw_CK = dot(t_CC, dw_CK, dtype, trans_a=True)
-    dk_CK += dxw_CK * (beta_C * read_C)[:, None]
-    dbeta_C += jnp.sum(dxw_CK * kf_CK, axis=1) * read_C
-    dgamma_C = jnp.sum(dxw_CK * xw_CK, axis=1)
-    # Kd = K ⊙ e exp(Γ_C − Γ); the state's decay d = c exp(Γ_C)
     write_C = writes_ref[...] * jnp.exp(gamma_end - gamma_C)
-    dk_CK += dkd_CK * write_C[:, None]
-    gkd_C = jnp.sum(dkd_CK * kf_CK, axis=1) * write_C
-    dgamma_C = _last(dgamma_C - gkd_C, jnp.sum(gkd_C) + dd * jnp.sum(keeps_ref[...]) * jnp.exp(gamma_end))
+    state_decay = jnp.sum(keeps_ref[...]) * jnp.exp(gamma_end)
+    dgamma_C = jnp.zeros(gamma_C.shape, jnp.float32)
+    to_end = jnp.zeros((), jnp.float32)  # dΓ at the chunk's last position: through Kd's and d's exp(Γ_C)
+    for i, kc in enumerate(keys):
+      dw_CJ = jnp.zeros((kk_CC.shape[0], kc.size), jnp.float32)
+      dkd_CJ = jnp.zeros(dw_CJ.shape, jnp.float32)
+      for vc in values:
+        s_JV, dcarry_JV = states_ref[r, kc, vc], dcarry_ref[r, kc, vc]
+        dw_CJ -= dot(dvnew_ref[r, :, vc], s_JV, dtype, trans_b=True)
+        dkd_CJ += dot(vnew_ref[r, :, vc], dcarry_JV, dtype, trans_b=True)
+        to_end += jnp.sum(s_JV.astype(jnp.float32) * dcarry_JV.astype(jnp.float32)) * state_decay
+      k_CJ = k_ref[:, kc].astype(jnp.float32)
+      xw_CJ = k_CJ * (beta_C * read_C)[:, None]
+      dt_CC += dot(dw_CJ, xw_CJ, dtype, trans_b=True)
+      dxw_CJ = dot(t_CC, dw_CJ, dtype, trans_a=True)
+      dk[i] += dxw_CJ * (beta_C * read_C)[:, None] + dkd_CJ * write_C[:, None]
+      dbeta_C += jnp.sum(dxw_CJ * k_CJ, axis=1) * read_C
+      gkd_C = jnp.sum(dkd_CJ * k_CJ, axis=1) * write_C
+      dgamma_C += jnp.sum(dxw_CJ * xw_CJ, axis=1) - gkd_C
+      to_end += jnp.sum(gkd_C)
+    dgamma_C = _last(dgamma_C, to_end)
     # A = strictly lower (diag(β) K Kᵀ) ⊙ D, dA = −Tᵀ dT Tᵀ
     da_CC = -dot(dot(t_CC, dt_CC, dtype, trans_a=True), t_CC, dtype, trans_b=True)
     d_CC = decay(gamma_C, gamma_C, sees_CC)
     dkk_CC = da_CC * d_CC * beta_C[:, None]
-    dk_CK += dot(dkk_CC, k_CK, dtype) + dot(dkk_CC, k_CK, dtype, trans_a=True)
+    for i, kc in enumerate(keys):
+      k_CJ = k_ref[:, kc]
+      dk[i] += dot(dkk_CC, k_CJ, dtype) + dot(dkk_CC, k_CJ, dtype, trans_a=True)
     g_CC = dkk_CC * kk_CC
     dbeta_ref[r] = dbeta_C + jnp.sum(da_CC * d_CC * kk_CC, axis=1)
     dgamma_ref[r] = dgamma_C + jnp.sum(g_CC, axis=1) - jnp.sum(g_CC, axis=0)
-  dk_ref[...] = dk_CK
+  for i, kc in enumerate(keys):
+    dk_ref[:, kc] = dk[i]
 
 
 def wy_backward(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, masks, seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV,
@@ -221,7 +225,6 @@ def wy_backward(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, masks, seg_BNC, t_BHNCC
   in_specs = [key(c, k), value(c, v), value(c), value(c), position, position, keeps, position, value(c, c),
               value(k, v), value(k, v), value(c, v), value(c, v)]
   return call(functools.partial(_wy_backward_kernel, dtype=dtype), (b, hk, n), in_specs,
-              [key(c, k), value(c, v), value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward",
-              num_warps=BWD_WARPS)(
+              [key(c, k), value(c, v), value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward")(
                   k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, masks.reads_BNC, masks.writes_BNC,
                   masks.keeps_BN[..., None], seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
