@@ -166,7 +166,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
                      l2_normalize=True, output_final_state=False, state_kernel="xla", chunk_dtype=None,
                      span_tokens=SPAN_TOKENS):
   """Gated delta rule, chunked form, with a memory-lean custom VJP: it keeps the inputs (and, on the kernel path
-  for a row in one span, each chunk's (I + A)⁻¹, half v's size at C = 64, V = 128) and reruns the forward.
+  for a row in one span, each chunk's (I + A)⁻¹, half v's size at C = 64, V = 128) and reruns the forward (the
+  kernel path: only its loop over chunks, for the per-chunk states).
 
   Args:
     q: queries [B, S, Hk, K].
@@ -181,9 +182,9 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     l2_normalize: L2-normalise q and k over K first.
     output_final_state: also return the state after the last token.
     state_kernel: "xla": the chunked form in XLA, its loop over chunks a `lax.scan`; "pallas": the chunks'
-      inverses, the loop over chunks and the output as Pallas kernels (compiled on GPUs, in Pallas' interpreter
-      elsewhere), the backward mostly XLA's, every matmul on bfloat16 operands (float32 accumulation, state and
-      decays) unless v is float32.
+      inverses, the loop over chunks and the output as Pallas kernels, the backward as three more (compiled on GPUs,
+      in Pallas' interpreter elsewhere), every matmul on bfloat16 operands (float32 accumulation, state and decays)
+      unless v is float32.
     chunk_dtype: the XLA form's matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the
       decayed K): None in float32 at full precision; a dtype (bfloat16): their operands in it, accumulated in
       float32. The Pallas path ignores it.

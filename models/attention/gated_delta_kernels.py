@@ -33,10 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from models.attention import gated_delta_chunks as gdc
-
 BLOCK = 16  # the inverse's diagonal blocks: the smallest a tensor-core dot takes
-BLOCK_V = 64  # V columns per state-pass program: S's slice [K, 64] in float32 stays in registers (fla's choice too)
+BLOCK_V = 64  # V columns per state-pass program (S's slice [K, 64] in float32 stays in registers) and the backward's
+# column blocks: fla's choice too
 MIN_PROGRAMS = 256  # about two per SM of an H200 (132): a long row with few heads splits V finer to fill them
 # Triton's software pipelining of the loop over chunks: the next chunk's loads overlap this chunk's matmuls (an H200,
 # 16 x 4096, Qwen3.5's heads: 1.46 / 2.82 ms forward / backward against 1.88 / 3.27 with one stage).
@@ -71,7 +70,7 @@ def call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_stag
 
 
 def decay(gamma_r, gamma_s, sees):
-  """`gdc.decays` in a kernel: exp(Γ_r − Γ_s) where s sees r, else 0."""
+  """`gated_delta_chunks.decays` in a kernel: exp(Γ_r − Γ_s) where s sees r, else 0."""
   return jnp.where(sees, jnp.exp(jnp.where(sees, gamma_r[:, None] - gamma_s[None, :], 0.0)), 0.0)
 
 
@@ -80,7 +79,7 @@ def iotas(size):
 
 
 def sees_in_chunk(seg_C, diagonal=True):
-  """`gdc.sees` of one chunk in a kernel: [C, C], s ≤ r (s < r without the diagonal) in the same document."""
+  """`gated_delta_chunks.sees` of one chunk in a kernel: [C, C], s ≤ r (s < r without the diagonal) in the same document."""
   rows_CC, cols_CC = iotas(seg_C.shape[0])
   return (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC if diagonal else rows_CC > cols_CC)
 
@@ -138,7 +137,7 @@ def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_re
 
 
 def wy_xla(t_BHNCC, k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, dtype):
-  """(U, W) [B, H, N, C, ·] in `dtype` from T in XLA (`chunk_wy`'s backward)."""
+  """(U, W) [B, H, N, C, ·] in `dtype` from `chunk_wy`'s T, in XLA: the backward's, which keeps T, not U and W."""
   b, hk, n, c, _ = k_BGNCK.shape
   groups = lambda x_BH_: x_BH_.reshape(b, hk, -1, *x_BH_.shape[2:])
   heads = lambda x_BGR_: x_BGR_.reshape(b, -1, *x_BGR_.shape[3:])
