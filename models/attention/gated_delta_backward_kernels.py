@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, sees_in_chunk,
                                                   state_specs)
 
+
 def _column_blocks(width):
   """Slices of a [·, width] tile in blocks of BLOCK_V columns (fla's backward tiles): the backward's programs hold
   [C, BLOCK_V] float32 accumulators, not [C, K] ones that would spill their registers. The tests' K = V = 2 BLOCK_V
