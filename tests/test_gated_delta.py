@@ -149,7 +149,7 @@ def test_a_row_in_spans_is_the_whole_row(state_kernel):
   gradient as the whole row at once (float32, 1e-5 of the largest), with an initial state and documents, one of them
   starting exactly at a span's edge (row 0 at 64), and a last span of 2 positions padded. Mutants killed: the state
   not zeroed where a span begins a new document; padding with the first document instead of the last; on the kernel
-  path, whose VJP recomputes each span's inverses instead of keeping them, a wrong recomputed inverse.""
+  path, whose VJP recomputes each span's inverses instead of keeping them, a wrong recomputed inverse."""
   x = make_inputs(130, a_max=1.0)
   seg = three_documents()
   w_o, w_s = weights(130)
