@@ -23,7 +23,8 @@ With `--profile DIR`, each JAX variant's forward and forward + backward are also
 gets their ten longest kernels per call (`benchmarks.trace_summary`): where the time goes.
 With `--compile-only`, the JAX variants are compiled for one GPU and not run (on a machine without one, JAX's
 deviceless compilation for `--target-config`'s GPU, with the CUDA plugin: Triton compiles the kernels too), and the
-rows give each pass's compiled temporaries (`fwd_temp_gib`, `fwd_bwd_temp_gib`) instead of times.
+rows give each pass's compiled temporaries (`fwd_temp_gib`, `fwd_bwd_temp_gib`) instead of times, and the kernel
+path's row each of its kernels' registers per thread and bytes spilled, from ptxas (`benchmarks.ptxas_report`).
 A variant that cannot run here (fla not installed, no GPU for the kernels compiled, out of memory) is a row saying
 why. Prints a table and writes JSON; the last line is the summary of the first shape.
 """
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks import harness
+from benchmarks import harness, ptxas_report
 from benchmarks.cp_attention import seconds
 from benchmarks.trace_summary import find_trace, kernel_times
 from models.attention.gated_delta import gated_delta_rule
@@ -174,8 +175,13 @@ def compiled_temporaries(variant, shape, heads, device):
       functools.partial(inputs, batch, tokens, *heads))]
   row = dict(fwd_ms=None, fwd_bwd_ms=None)
   for name, f in zip(("fwd", "fwd_bwd"), jax_steps(variant)):
-    row[f"{name}_temp_gib"] = round(f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
+    lowered = f.lower(*args)
+    row[f"{name}_temp_gib"] = round(lowered.compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
   row["note"] = f"compile-only: temporaries {row['fwd_temp_gib']} GiB fwd, {row['fwd_bwd_temp_gib']} fwd+bwd"
+  if variant == "pallas" and device.platform == "gpu":
+    registers = ptxas_report.kernel_registers(lowered, "gated_delta_")
+    if registers is not None:
+      row["kernel_registers"] = [[kernel, *values] for kernel, values in registers.items()]
   return row
 
 
@@ -270,13 +276,17 @@ def write(meta, rows, out):
 
 
 def kernel_lines(rows):
-  """The profiled rows' longest kernels, one block per row and pass ("" without --profile)."""
+  """The profiled rows' longest kernels, one block per row and pass ("" without --profile), and the compile-only
+  rows' registers and spills per kernel (where ptxas was found)."""
   lines = []
   for r in rows:
     for name in ("fwd", "fwd_bwd"):
       if r.get(f"{name}_kernels"):
         lines += ["", f"{r['shape']} {r['variant']} {name}: longest kernels (ms, launches)"]
         lines += [f"  {ms:8.3f} {n:4d}  {kernel[:100]}" for kernel, ms, n in r[f"{name}_kernels"]]
+    if r.get("kernel_registers"):
+      lines += ["", f"{r['shape']} {r['variant']} fwd_bwd: registers per thread and bytes spilled per kernel (ptxas)"]
+      lines += [f"  {registers:4d} {spills:6d}  {kernel}" for kernel, registers, spills in r["kernel_registers"]]
   return "\n".join(lines + [""]) if lines else ""
 
 

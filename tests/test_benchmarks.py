@@ -14,7 +14,7 @@ import pytest
 
 import relaymoe_jax as rm
 from benchmarks import (capacity, cp_attention, documents, gated_deltanet, grouped_gemm, harness, loss_head,
-                        moe_layer, moe_layer_worker, train_compare)
+                        moe_layer, moe_layer_worker, ptxas_report, train_compare)
 from benchmarks.train_compare import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 from models.attention.documents import same_document
@@ -492,3 +492,23 @@ def test_gated_deltanet_compile_only_rows_give_compiled_temporaries():
   assert rows[0]["fwd_ms"] is None and rows[0]["fwd_bwd_temp_gib"] >= rows[0]["fwd_temp_gib"] >= 0
   assert rows[1]["note"] == "compile-only: fla is not JAX"
   assert gated_deltanet.summary(rows).startswith("summary: gated_deltanet_compile_only 1x128 xla_fwd_bwd_temp_gib=")
+
+
+PTXAS_REPORT = """ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'gated_delta_wy_backward'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'gated_delta_wy_backward' for 'sm_90a'
+ptxas info    : Function properties for gated_delta_wy_backward
+    1312 bytes stack frame, 1464 bytes spill stores, 1664 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1312 bytes cumulative stack size
+ptxas info    : Compiling entry function 'gated_delta_state_forward' for 'sm_90a'
+ptxas info    : Function properties for gated_delta_state_forward
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 57 registers, used 1 barriers
+"""
+
+
+def test_ptxas_report_reads_each_kernels_registers_and_spills():
+  """`ptxas -v`'s report (as it printed it for this project's kernels, compiled for an H200): each entry's registers
+  per thread and spill stores, not another entry's."""
+  assert ptxas_report.parse(PTXAS_REPORT) == {"gated_delta_wy_backward": (255, 1464),
+                                              "gated_delta_state_forward": (57, 0)}
