@@ -24,7 +24,7 @@ gets their ten longest kernels per call (`benchmarks.trace_summary`): where the 
 With `--compile-only`, the JAX variants are compiled for one GPU and not run (on a machine without one, JAX's
 deviceless compilation for `--target-config`'s GPU, with the CUDA plugin: Triton compiles the kernels too), and the
 rows give each pass's compiled temporaries (`fwd_temp_gib`, `fwd_bwd_temp_gib`) instead of times, and the kernel
-path's row each of its kernels' registers per thread and bytes spilled, from ptxas (`benchmarks.ptxas_report`).
+path's row each of its kernels' registers per thread and bytes spilled, from ptxas (`benchmarks.harness.kernel_registers`).
 A variant that cannot run here (fla not installed, no GPU for the kernels compiled, out of memory) is a row saying
 why. Prints a table and writes JSON; the last line is the summary of the first shape.
 """
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks import harness, ptxas_report
+from benchmarks import harness
 from benchmarks.cp_attention import seconds
 from benchmarks.trace_summary import find_trace, kernel_times
 from models.attention.gated_delta import gated_delta_rule
@@ -179,7 +179,7 @@ def compiled_temporaries(variant, shape, heads, device):
     row[f"{name}_temp_gib"] = round(lowered.compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
   row["note"] = f"compile-only: temporaries {row['fwd_temp_gib']} GiB fwd, {row['fwd_bwd_temp_gib']} fwd+bwd"
   if variant == "pallas" and device.platform == "gpu":
-    registers = ptxas_report.kernel_registers(lowered, "gated_delta_")
+    registers = harness.kernel_registers(lowered, "gated_delta_")
     if registers is not None:
       row["kernel_registers"] = [[kernel, *values] for kernel, values in registers.items()]
   return row

@@ -14,7 +14,7 @@ import pytest
 
 import relaymoe_jax as rm
 from benchmarks import (capacity, cp_attention, documents, gated_deltanet, grouped_gemm, harness, loss_head,
-                        moe_layer, moe_layer_worker, ptxas_report, train_compare)
+                        moe_layer, moe_layer_worker, train_compare)
 from benchmarks.train_compare import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 from models.attention.documents import same_document
@@ -510,5 +510,5 @@ ptxas info    : Used 57 registers, used 1 barriers
 def test_ptxas_report_reads_each_kernels_registers_and_spills():
   """`ptxas -v`'s report (as it printed it for this project's kernels, compiled for an H200): each entry's registers
   per thread and spill stores, not another entry's."""
-  assert ptxas_report.parse(PTXAS_REPORT) == {"gated_delta_wy_backward": (255, 1464),
+  assert harness.parse_ptxas(PTXAS_REPORT) == {"gated_delta_wy_backward": (255, 1464),
                                               "gated_delta_state_forward": (57, 0)}
