@@ -24,7 +24,8 @@ gets their ten longest kernels per call (`benchmarks.trace_summary`): where the 
 With `--compile-only`, the JAX variants are compiled for one GPU and not run (on a machine without one, JAX's
 deviceless compilation for `--target-config`'s GPU, with the CUDA plugin: Triton compiles the kernels too), and the
 rows give each pass's compiled temporaries (`fwd_temp_gib`, `fwd_bwd_temp_gib`) instead of times, and the kernel
-path's row each of its kernels' registers per thread and bytes spilled, from ptxas (`benchmarks.harness.kernel_registers`).
+path's row each of its kernels' registers per thread and bytes spilled, from ptxas
+(`benchmarks.harness.kernel_registers`).
 A variant that cannot run here (fla not installed, no GPU for the kernels compiled, out of memory) is a row saying
 why. Prints a table and writes JSON; the last line is the summary of the first shape.
 """

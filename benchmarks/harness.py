@@ -201,11 +201,13 @@ def wait_for_turn(ready):
   print(json.dumps(dict(ready, ready=True)), flush=True)
   sys.stdin.readline()
 
+
 # Registers and spills of a compiled GPU program's kernels, from a CPU host too: XLA dumps the program's PTX while
 # compiling (deviceless compilation for a target GPU included), and `ptxas -v` reports each entry's registers per
 # thread and the bytes it spills to local memory. A kernel that spills, or holds so many registers that few programs
 # share an SM, is slow before any GPU runs it. ptxas is NVIDIA's: on PATH, or the `nvidia-cuda-nvcc-cu12` wheel that
 # JAX's CUDA plugin brings.
+
 
 def find_ptxas():
   """ptxas on PATH, else the one in the nvidia-cuda-nvcc wheel, else None."""

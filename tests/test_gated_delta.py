@@ -101,13 +101,13 @@ def test_matches_recurrent_with_gradients(documents):
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   """The kernel path (the forward's three kernels and the backward's three, in Pallas' interpreter here; `pytest -m
   gpu` runs them compiled): outputs, final state and every gradient, at K = V = 2 × BLOCK_V so that the state pass
-  runs several blocks of V and the backward's programs loop over two blocks of each. Mutants killed: the inverse's block-merge sign or
-  its diagonal blocks' substitution sign flipped, A's diagonal kept, U without β or without its diagonal block, W
-  without m, the output without its causal mask or without m, the decay left out of dS, dV_new without Kd dS; in
-  the backward kernels: the output's dΓ without D's column term, its dQ without m exp(Γ), its dK without D, ∂V_new
-  from P untransposed, ∂S_n dropped or without m, dβ through W without m exp(Γ), Kd's dΓ dropped, dA without β, dK
-  through A one-sided, A's diagonal kept, dV without β, dW's sign, dT without dW Xwᵀ, the state's decay's dΓ
-  dropped, only the first block of V."""
+  runs several blocks of V and the backward's programs loop over two blocks of each. Mutants killed: the inverse's
+  block-merge sign or its diagonal blocks' substitution sign flipped, A's diagonal kept, U without β or without its
+  diagonal block, W without m, the output without its causal mask or without m, the decay left out of dS, dV_new
+  without Kd dS; in the backward kernels: the output's dΓ without D's column term, its dQ without m exp(Γ), its dK
+  without D, ∂V_new from P untransposed, ∂S_n dropped or without m, dβ through W without m exp(Γ), Kd's dΓ dropped, dA
+  without β, dK through A one-sided, A's diagonal kept, dV without β, dW's sign, dT without dW Xwᵀ, the state's
+  decay's dΓ dropped, only the first block of V or the first value head."""
   x = make_inputs(130, a_max=1.0)
   rng = np.random.default_rng(2)
   wide = 2 * gk.BLOCK_V
@@ -271,7 +271,8 @@ def test_custom_vjp_saves_only_inputs_and_the_kernel_paths_inverses():
   inverses = B * HV * 3 * 64 * 64  # 130 positions: 3 chunks of 64
   assert inputs < saved(kernels) <= inputs + inverses
   # Over spans the scan keeps the padded inputs and each span's entering state, both paths alike.
-  assert saved(functools.partial(kernels, span_tokens=64)) <= saved(functools.partial(gated_delta_rule, span_tokens=64))
+  xla_spans = functools.partial(gated_delta_rule, span_tokens=64)
+  assert saved(functools.partial(kernels, span_tokens=64)) <= saved(xla_spans)
 
 def test_the_kernel_path_names_a_chunk_size_it_cannot_take():
   """Triton's blocks need a power-of-2 chunk of at least 16: another is refused by name, not miscomputed."""

@@ -166,7 +166,8 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, writes_ref
   sees_CC = sees_in_chunk(seg_ref[...], diagonal=False)
 
   # The value heads and the inner loop over V's blocks as loops, not unrolled: fewer tiles live at once (ptxas for an
-  # H200 at 1 x 4096: 1196 bytes spilled against 2340 unrolled; `output_backward` spilled more so, and stays unrolled).
+  # H200 at 1 x 4096: 1196 bytes spilled against 2340 unrolled; `output_backward` spilled more so: it stays
+  # unrolled).
   def value_head(r, dk):
     dk = list(dk)
     beta_C, gamma_C, t_CC = beta_ref[r], gamma_ref[r], t_ref[r]

@@ -79,7 +79,8 @@ def iotas(size):
 
 
 def sees_in_chunk(seg_C, diagonal=True):
-  """`gated_delta_chunks.sees` of one chunk in a kernel: [C, C], s ≤ r (s < r without the diagonal) in the same document."""
+  """`gated_delta_chunks.sees` of one chunk in a kernel: [C, C], s ≤ r (s < r without the diagonal) in the same
+  document."""
   rows_CC, cols_CC = iotas(seg_C.shape[0])
   return (seg_C[:, None] == seg_C[None, :]) & (rows_CC >= cols_CC if diagonal else rows_CC > cols_CC)
 
