@@ -99,15 +99,17 @@ def test_matches_recurrent_with_gradients(documents):
 
 @pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
-  """The kernel path (the forward's three kernels and the backward's three, in Pallas' interpreter here; `pytest -m
+  """The kernel path (the forward's three kernels and the backward's five, in Pallas' interpreter here; `pytest -m
   gpu` runs them compiled): outputs, final state and every gradient, at K = V = 2 × BLOCK_V so that the state pass
   runs several blocks of V and the backward's programs loop over two blocks of each. Mutants killed: the inverse's
   block-merge sign or its diagonal blocks' substitution sign flipped, A's diagonal kept, U without β or without its
   diagonal block, W without m, the output without its causal mask or without m, the decay left out of dS, dV_new
-  without Kd dS; in the backward kernels: the output's dΓ without D's column term, its dQ without m exp(Γ), its dK
-  without D, ∂V_new from P untransposed, ∂S_n dropped or without m, dβ through W without m exp(Γ), Kd's dΓ dropped, dA
-  without β, dK through A one-sided, A's diagonal kept, dV without β, dW's sign, dT without dW Xwᵀ, the state's
-  decay's dΓ dropped, only the first block of V or the first value head."""
+  without Kd dS; in the backward kernels (25): the output's dΓ without D's column term or through Qd dropped, P's
+  dΓ terms in every block of K (or the blocks' dΓ not summed, or only the first block), its dQ without m exp(Γ),
+  its dK without D, only its first value head, ∂V_new from P untransposed, ∂S_n dropped or without m, dW's sign,
+  Kd's dK or dΓ dropped, the state's decay's dΓ without exp(Γ_C), only the first value head or block of V of dW,
+  dβ through W without m exp(Γ), dA without β, dK through A one-sided, A's diagonal kept, dV without β, dT without
+  dW Xwᵀ, only the first value head of `wy_backward`, only the first block of columns anywhere."""
   x = make_inputs(130, a_max=1.0)
   rng = np.random.default_rng(2)
   wide = 2 * gk.BLOCK_V
@@ -163,11 +165,11 @@ def test_a_row_in_spans_is_the_whole_row(state_kernel):
 
 
 def test_the_kernels_lower_to_triton_for_a_gpu():
-  """Pallas' Triton lowering of the kernel path's six kernels, forward and backward, bfloat16 at the 35B model's
-  head sizes, run here by exporting the jitted loss and gradient for CUDA (no GPU needed; a program lowered for CUDA takes the
-  kernels whatever machine lowers it): what a GPU would first refuse (an op with no Triton lowering, a load whose
-  size is not a power of 2). Triton's own compilation is `pytest -m gpu`'s. Mutants killed: a state-pass block of 48
-  columns; the interpreter chosen by the lowering machine's backend (no kernel in the program)."""
+  """Pallas' Triton lowering of the kernel path's eight kernels, forward and backward, bfloat16 at the 35B model's
+  head sizes, run here by exporting the jitted loss and gradient for CUDA (no GPU needed; a program lowered for CUDA
+  takes the kernels whatever machine lowers it): what a GPU would first refuse (an op with no Triton lowering, a load
+  whose size is not a power of 2). Triton's own compilation is `pytest -m gpu`'s. Mutants killed: a state-pass block
+  of 48 columns; the interpreter chosen by the lowering machine's backend (no kernel in the program)."""
   b, s, hk, hv, k = 1, 96, 1, 2, 128
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -183,7 +185,8 @@ def test_the_kernels_lower_to_triton_for_a_gpu():
       jax.ShapeDtypeStruct((b, s), jnp.int32))
   kernels = set(re.findall(r'name = "(gated_delta_\w+)"', exported.mlir_module()))
   assert kernels == {"gated_delta_chunk_wy", "gated_delta_state_forward", "gated_delta_chunk_output",
-                     "gated_delta_output_backward", "gated_delta_state_backward", "gated_delta_wy_backward"}
+                     "gated_delta_output_backward", "gated_delta_output_value_backward",
+                     "gated_delta_state_backward", "gated_delta_state_inputs_backward", "gated_delta_wy_backward"}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])

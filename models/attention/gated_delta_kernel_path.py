@@ -1,5 +1,5 @@
 """The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): the chunked form (`gated_delta`'s
-docstring) forward on `gated_delta_kernels`' three kernels and backward on `gated_delta_backward_kernels`' three, in
+docstring) forward on `gated_delta_kernels`' three kernels and backward on `gated_delta_backward_kernels`' five, in
 head-major layout ([B, H, N, C, ·]), q and k at their key heads, with XLA's elementwise work around them:
 normalising q and k, Γ, the decayed keys and the chunks' decays, and their VJP.
 
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.attention import gated_delta_chunks as gdc
-from models.attention.gated_delta_backward_kernels import output_backward, state_backward, wy_backward
+from models.attention.gated_delta_backward_kernels import (output_backward, output_value_backward, state_backward,
+                                                           state_inputs_backward, wy_backward)
 from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, scaled, state_forward,
                                                   takes_the_kernels, wy_xla)
 
@@ -107,7 +108,7 @@ def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_
 
   Its VJP keeps the inputs and, with `keep_inverse`, each chunk's T (C / V of v's size: the backward then skips the
   inverse, `chunk_wy`, the forward's costliest kernel); the backward reruns the state pass for the per-chunk states
-  and runs `gated_delta_backward_kernels`' three kernels."""
+  and runs `gated_delta_backward_kernels`' five kernels."""
   if not takes_the_kernels(chunk_size):
     raise ValueError(f"chunk_size={chunk_size}: the Pallas kernels take a power of 2, at least {BLOCK}")
   return _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size, l2_normalize,
@@ -132,17 +133,22 @@ def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotan
   ch = _chunks(x, seg_BS, chunk_size, dtype)
   t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, _ = _state_pass(x, ch, state_BHKV, t_BHNCC, dtype)
   do_BSHV = jnp.pad(do_BSHV, [(0, 0), (0, -v.shape[1] % chunk_size), (0, 0), (0, 0)])
-  dq_BGNCK, dk_BGNCK, dgamma_BHNC, dvnew_BHNCV = _per_platform(
+  dq_BGNCK, dk_BGNCK, dgamma_BHNC = _per_platform(
       lambda *a: output_backward(*a[:-1], dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK, x.gamma_BHNC,
       ch.masks.reads_BNC, ch.seg_BNC, states_BHNKV, vnew_BHNCV, do_BSHV)
+  dvnew_BHNCV = _per_platform(lambda *a: output_value_backward(*a[:-1], dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK,
+                              x.gamma_BHNC, ch.seg_BNC, do_BSHV)
   dcarry_BHNKV, dvnew_BHNCV, dstate_BHKV = _per_platform(
       lambda *a: state_backward(*a[:-1], dtype, a[-1]), ch.kd_BHNCK, w_BHNCK, ch.q_BGNCK, x.gamma_BHNC,
       ch.masks.reads_BNC, ch.decay_BHN, do_BSHV, dvnew_BHNCV, dfinal_BHKV)
+  dw_BHNCK, dk_kd_BGNCK, dgamma_kd_BHNC = _per_platform(
+      lambda *a: state_inputs_backward(a[0], a[1], ch.masks, *a[2:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC,
+      states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
   dk_wy_BGNCK, dv_BHNCV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
-      lambda *a: wy_backward(*a[:4], ch.masks, *a[4:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC,
-      x.gamma_BHNC, ch.seg_BNC, t_BHNCC, states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
-  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_wy_BGNCK, dv_BHNCV,
-                                                 dgamma_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
+      lambda *a: wy_backward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC, x.gamma_BHNC,
+      ch.masks.reads_BNC, ch.seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)
+  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_kd_BGNCK + dk_wy_BGNCK, dv_BHNCV,
+                                                 dgamma_BHNC + dgamma_kd_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
   return dq, dk, dv, dg, dbeta, None, dstate_BHKV
 
 
