@@ -68,9 +68,6 @@ VARIANTS = {
     "auto": ("auto", {}),
     "a2a_dropless": ("all_to_all", {}),
     "a2a_cf1": ("all_to_all", {"capacity_factor": 1.0}),
-    # the all-to-all with every row move a gather both ways (`AllToAll(gathers=True)`), beside the scatter-adds
-    "a2a_dropless_gathers": ("all_to_all", {"gathers": True}),
-    "a2a_cf1_gathers": ("all_to_all", {"capacity_factor": 1.0, "gathers": True}),
     "compute_floor": ("ring_expert", {}),  # on one GPU with all E experts: the ring's compute with no transfers
     "compute_floor_keep": ("ring_expert", {"keep_gate_up": True}),  # the same, the backward not recomputing gate/up
     "ring_nocomm": ("ring_expert", {}),  # ring_expert with every send replaced by the local payload
