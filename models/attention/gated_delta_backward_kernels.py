@@ -19,9 +19,9 @@ state pass. With S_n the state entering chunk n, V_new its new values and dS' th
   then through Xw and A to dK, dβ and dΓ.
 
 Split so (fla's split too): one kernel holding every one of these [C, 64] float32 tiles spilled its registers (ptxas
-for an H200: 255 registers and 1224 bytes spilled in `wy_backward` with W's and Kd's terms inside, 844 bytes in
-`output_backward` with ∂V_new inside and its K blocks a loop); split, they spill 36–236 bytes, and an H100 ran the
-backward 1.0 ms faster at 16 × 4096 though dW and the partial dK make a round trip through memory.
+for an H200 at 16 × 4096: 255 registers and 1224 bytes spilled in `wy_backward` with W's and Kd's terms inside, 872
+bytes in `output_backward` with ∂V_new inside and its K blocks a loop); split, they spill 36–244 bytes, and an H100
+ran the backward 1.0 ms faster at 16 × 4096 though dW and the partial dK make a round trip through memory.
 
 The programs of `output_backward` (and one block of K), `state_inputs_backward` and `wy_backward` take one (row, key
 head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32 at the key heads;
@@ -289,6 +289,7 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t
     for i, kc in enumerate(keys):
       k_CJ = k_ref[:, kc]
       dk[i] += dot(dkk_CC, k_CJ, dtype) + dot(dkk_CC, k_CJ, dtype, trans_a=True)
+    # K Kᵀ formed here, not held across the loop: fewer tiles live at once (ptxas: 428 → 236 bytes spilled)
     kk_CC = sum(dot(k_ref[:, kc], k_ref[:, kc], dtype, trans_b=True) for kc in keys)
     g_CC = dkk_CC * kk_CC
     dbeta_ref[r] = dbeta_C + jnp.sum(da_CC * d_CC * kk_CC, axis=1)
