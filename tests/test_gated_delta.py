@@ -145,7 +145,7 @@ def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   for name in x:
     assert relative(dx[name], dx_ref[name]) < 3e-2, name
 
-@pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("state_kernel", [pytest.param("xla", marks=pytest.mark.slow), "pallas"])
 def test_a_row_in_spans_is_the_whole_row(state_kernel):
   """A row longer than `span_tokens` runs as a scan over spans, the state carried: outputs, final state and every
   gradient as the whole row at once (float32, 1e-5 of the largest), with an initial state and documents, one of them
@@ -306,7 +306,7 @@ def context_parallel(x, w_o, w_s, num_shards, chunk_size, segment_ids):
   (_, (o, s)), dx = jax.value_and_grad(loss, has_aux=True)(x)
   return o, s, dx
 
-@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("documents", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_context_parallel_state_passing(documents):
   seq_len = 200
   x = make_inputs(seq_len, a_max=1.0)
