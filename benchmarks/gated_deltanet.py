@@ -175,12 +175,12 @@ def compiled_temporaries(variant, shape, heads, device):
   args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.eval_shape(
       functools.partial(inputs, batch, tokens, *heads))]
   row = dict(fwd_ms=None, fwd_bwd_ms=None)
-  for name, f in zip(("fwd", "fwd_bwd"), jax_steps(variant)):
-    lowered = f.lower(*args)
-    row[f"{name}_temp_gib"] = round(lowered.compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
+  lowered = {name: f.lower(*args) for name, f in zip(("fwd", "fwd_bwd"), jax_steps(variant))}
+  for name, program in lowered.items():
+    row[f"{name}_temp_gib"] = round(program.compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
   row["note"] = f"compile-only: temporaries {row['fwd_temp_gib']} GiB fwd, {row['fwd_bwd_temp_gib']} fwd+bwd"
-  if variant == "pallas" and device.platform == "gpu":
-    registers = harness.kernel_registers(lowered, "gated_delta_")
+  if variant == "pallas" and device.platform == "gpu":  # forward + backward holds every kernel
+    registers = harness.kernel_registers(lowered["fwd_bwd"], "gated_delta_")
     if registers is not None:
       row["kernel_registers"] = [[kernel, *values] for kernel, values in registers.items()]
   return row
