@@ -4,8 +4,8 @@ backward's kernels (`gated_delta_backward_kernels`) share; `gated_delta_kernel_p
 
 - `chunk_wy`: each chunk's T = (I + A)⁻¹, U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
-  (row, value head, run of `chunks_per_program` chunks). T's diagonal blocks of 16 by forward substitution, the
-  blocks below them by block inversion. The backward takes T and recomputes U and W from it in XLA (`wy_xla`).
+  (row, value head, chunk). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
+  inversion. The backward takes T and recomputes U and W from it in XLA (`wy_xla`).
 - `state_forward`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip:
 
@@ -36,12 +36,6 @@ from jax.experimental.pallas import triton as plt
 BLOCK = 16  # the inverse's diagonal blocks: the smallest a tensor-core dot takes
 BLOCK_V = 64  # V columns per state-pass program (S's slice [K, 64] in float32 stays in registers) and the backward's
 # column blocks: fla's choice too
-# chunk_wy's programs take up to this many chunks each, in a loop that Triton software-pipelines in WY_STAGES (the
-# next chunk's loads under this chunk's math). With a program per chunk it waited on its loads: the kernel alone on
-# an H100, 16 × 4096, Qwen3.5's heads, 3.40 ms, and 3.31 with its math cut out (loads and stores alone); 4 chunks a
-# program in 2 stages 2.28 ms (8 chunks 2.26; 3 stages 3.18; 8 warps 3.94; benchmarks/results/gated_deltanet.txt).
-CHUNKS_PER_PROGRAM = 4
-WY_STAGES = 2
 MIN_PROGRAMS = 256  # about two per SM of an H200 (132): a long row with few heads splits V finer to fill them
 # Triton's software pipelining of the loop over chunks: the next chunk's loads overlap this chunk's matmuls (an H200,
 # 16 x 4096, Qwen3.5's heads: 1.46 / 2.82 ms forward / backward against 1.88 / 3.27 with one stage).
@@ -118,39 +112,6 @@ def _inverse_blocks(a, blocks):
   return t
 
 
-class _ChunkRef:
-  """ref[n, ...] as a ref of its own: Triton lowers one indexer a load, so the chunk's index joins each access."""
-
-  def __init__(self, ref, n):
-    self.ref, self.n, self.shape, self.dtype = ref, n, ref.shape[1:], ref.dtype
-
-  def _at(self, idx):
-    return (self.n,) + (idx if isinstance(idx, tuple) else (idx,))
-
-  def __getitem__(self, idx):
-    return self.ref[self._at(idx)]
-
-  def __setitem__(self, idx, value):
-    self.ref[self._at(idx)] = value
-
-
-def _chunks_wy_kernel(*refs, dtype):
-  """`_chunk_wy_kernel` on each of a program's chunks (every ref's leading axis) in turn."""
-  def chunk(n, carry):
-    _chunk_wy_kernel(*(_ChunkRef(ref, n) for ref in refs), dtype=dtype)
-    return carry
-
-  lax.fori_loop(0, refs[0].shape[0], chunk, 0)
-
-
-def chunks_per_program(num_chunks, most=CHUNKS_PER_PROGRAM):
-  """The largest power of 2 up to `most` that divides `num_chunks` (Triton's blocks have power-of-2 sides)."""
-  per = 1
-  while per < most and num_chunks % (2 * per) == 0:
-    per *= 2
-  return per
-
-
 def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_ref, u_ref, w_ref, *, dtype):
   """One chunk's T = (I + A)⁻¹ (float32, stored in `dtype`), U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all by blocks of 16 rows (Triton cannot slice a value, only a ref): k_ref [blocks, 16, K],
@@ -194,32 +155,30 @@ def takes_the_kernels(chunk_size):
   return chunk_size >= BLOCK and chunk_size & (chunk_size - 1) == 0
 
 
-def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret,
-             most_per_program=CHUNKS_PER_PROGRAM):
+def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
   """(T, U, W) [B, H, N, C, ·] in `dtype`, U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹, A each chunk's
-  strictly lower (diag(β) K Kᵀ) ⊙ D, all in one kernel, one program per (row, value head, run of
-  `chunks_per_program(N, most_per_program)` chunks): from the keys [B, G, N, C, K] and values [B, H, N, C, V] in
-  `dtype`, β and Γ [B, H, N, C] float32, m and the documents [B, N, C]. T in float32 inside, rounded to `dtype`
-  where a matmul reads it and where it is stored."""
+  strictly lower (diag(β) K Kᵀ) ⊙ D, all in one kernel, one program per (row, value head, chunk): from the keys
+  [B, G, N, C, K] and values [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and the documents
+  [B, N, C]. T in float32 inside, rounded to `dtype` where a matmul reads it and where it is stored."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
-  blocks, sq, per = c // BLOCK, pl.squeezed, chunks_per_program(n, most_per_program)
-  by_value_head = lambda width: pl.BlockSpec((sq, sq, per, blocks, BLOCK, width),
+  blocks, sq = c // BLOCK, pl.squeezed
+  by_value_head = lambda width: pl.BlockSpec((sq, sq, sq, blocks, BLOCK, width),
                                              lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0))
-  per_position = pl.BlockSpec((sq, sq, per, blocks, BLOCK), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
-  per_row_position = pl.BlockSpec((sq, per, blocks, BLOCK), lambda bi, hi, ni: (bi, ni, 0, 0))
-  in_specs = [pl.BlockSpec((sq, sq, per, blocks, BLOCK, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0, 0)),
+  per_position = pl.BlockSpec((sq, sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
+  per_row_position = pl.BlockSpec((sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, ni, 0, 0))
+  in_specs = [pl.BlockSpec((sq, sq, sq, blocks, BLOCK, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0, 0)),
               by_value_head(v), per_position, per_position, per_row_position, per_row_position]
   t_view = (b, h, n, blocks, BLOCK, blocks, BLOCK)
-  out_specs = [pl.BlockSpec((sq, sq, per) + t_view[3:], lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0, 0)),
+  out_specs = [pl.BlockSpec((sq, sq, sq) + t_view[3:], lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0, 0)),
                by_value_head(v), by_value_head(k)]
   out_shape = [jax.ShapeDtypeStruct(t_view, dtype), jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, v), dtype),
                jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, k), dtype)]
   by_blocks = lambda x: x.reshape(*x.shape[:3], blocks, BLOCK, *x.shape[4:])
-  t, u, w = call(functools.partial(_chunks_wy_kernel, dtype=dtype), (b, h, n // per), in_specs, out_specs,
-                 out_shape, interpret, "gated_delta_chunk_wy", num_stages=WY_STAGES)(
-                     k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
-                     by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
+  t, u, w = call(functools.partial(_chunk_wy_kernel, dtype=dtype), (b, h, n), in_specs, out_specs, out_shape,
+                  interpret, "gated_delta_chunk_wy")(
+                      k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
+                      by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
   return t.reshape(b, h, n, c, c), u.reshape(b, h, n, c, v), w.reshape(b, h, n, c, k)
 
 
