@@ -19,6 +19,12 @@ from models.attention.context_parallel import splits_sequences
 from relaymoe_jax.axes import EXPERT
 
 
+# A span's positions are a multiple of this: the layers' matmuls over a span have them as rows, and XLA's GPU tiling
+# failed to compile some other counts (compile-only for 8 H200s, the 40-layer Qwen3.5 step under context parallelism
+# at 4,505,600 tokens, spans of 15645: `INTERNAL: Couldn't find output tile sizes`).
+SPAN_GRANULE = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class Spans:
   """Rows of positions cut into N `chunks` each (the context-parallel chunks in held order, else 1: the row) of
@@ -30,10 +36,14 @@ class Spans:
 
   @classmethod
   def of(cls, seq_len, chunks, span_tokens):
-    """Rows of `seq_len` in spans of at most about `span_tokens` (0: whole chunks)."""
+    """Rows of `seq_len` in spans of about `span_tokens` (0: whole chunks), as even as a multiple of SPAN_GRANULE
+    (or of `span_tokens`, where that is less) lets them be."""
     chunk = seq_len // chunks
-    count = 1 if not span_tokens or chunk <= span_tokens else -(-chunk // span_tokens)
-    return cls(chunks, chunk, count, -(-chunk // count))
+    if not span_tokens or chunk <= span_tokens:
+      return cls(chunks, chunk, 1, chunk)
+    granule = min(SPAN_GRANULE, span_tokens)
+    length = -(-chunk // -(-chunk // span_tokens) // granule) * granule
+    return cls(chunks, chunk, -(-chunk // length), length)
 
   @classmethod
   def of_run(cls, seq_len, runtime, mesh):

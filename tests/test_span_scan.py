@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from conftest import assert_close, broadcast_constants, jaxpr_equations
-from models.spans import Spans
+from models.spans import SPAN_GRANULE, Spans
 
 P, T, D, Z = 5, 4, 6, 3
 SPANS = Spans.of(P * T, 1, T)  # one chunk of P spans of T
@@ -70,3 +70,17 @@ def test_span_scan_makes_no_output_sized_buffer_from_a_constant():
   # x's gradient is written over y's, out's over y2's (their shapes): only the forward's two outputs are made.
   made = [e for e in equations if e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape[:2] == (P, T)]
   assert len(made) == 2, made
+
+
+def test_long_spans_are_whole_granules_as_even_as_they_can_be():
+  """A span's positions are a multiple of SPAN_GRANULE (128; of the span asked where that is less): the 40-layer
+  Qwen3.5 step under context parallelism at 4,505,600 tokens, spans of about 16384, had spans of 15645 positions,
+  whose matmuls XLA's GPU tiling failed to compile. The spans still cover the chunk, the last one padded by less
+  than a span."""
+  for seq_len, chunks, asked in ((4505600, 16, 16384), (2162688, 16, 16384), (1163264, 1, 32768), (24, 3, 3),
+                                 (100, 1, 24), (262144, 1, 32768)):
+    spans = Spans.of(seq_len, chunks, asked)
+    assert spans.length % min(SPAN_GRANULE, asked) == 0, (seq_len, spans)
+    assert (spans.count - 1) * spans.length < spans.chunk <= spans.count * spans.length, (seq_len, spans)
+  assert Spans.of(4505600, 16, 16384) == Spans(chunks=16, chunk=281600, count=18, length=15744)
+  assert Spans.of(4096, 1, 32768) == Spans(chunks=1, chunk=4096, count=1, length=4096)
