@@ -42,7 +42,8 @@ class Spans:
     if not span_tokens or chunk <= span_tokens:
       return cls(chunks, chunk, 1, chunk)
     granule = min(SPAN_GRANULE, span_tokens)
-    length = -(-chunk // -(-chunk // span_tokens) // granule) * granule
+    even = -(-chunk // -(-chunk // span_tokens))  # the chunk over as few spans as `span_tokens` allows, evenly
+    length = -(-even // granule) * granule
     return cls(chunks, chunk, -(-chunk // length), length)
 
   @classmethod

@@ -111,8 +111,9 @@ def test_the_pallas_delta_kernels_give_transformers_logits(monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_layers_in_spans_give_transformers_logits(monkeypatch, kernel):
-  """Rows of 100 in spans of 24, the last padded (`runtime.sequence_span_tokens`): the DeltaNet layers, the conv's history carried across
-  spans, and the attention's gated output projection; with the DeltaNet's Pallas kernels too (what GPUs run)."""
+  """Rows of 100 in spans of 24, the last padded (`runtime.sequence_span_tokens`): the DeltaNet layers, the conv's
+  history carried across spans, and the attention's gated output projection; with the DeltaNet's Pallas kernels too
+  (what GPUs run)."""
   monkeypatch.setattr(qwen35_deltanet, "delta_state_kernel", lambda runtime, platform: kernel)
   tokens, expected = _reference(100)
   logits = nnx.jit(lambda model, tokens: model(tokens))(_loaded(sequence_span_tokens=24), tokens)  # traced afresh
