@@ -249,13 +249,13 @@ def _wide_config():
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_gradients(dispatcher):
-  """(loss, every parameter's gradient) of a 4-layer Qwen3.5 on one GPU, 4 × 512 tokens, in float32: in bf16 this
-  model's gradients are 0.46 (max |a − b| / max |b| of a leaf) from float32's for the dense dispatcher itself, too
-  coarse to tell a wrong dispatcher."""
+def _gpu_gradients(dispatcher, span_tokens=0):
+  """(loss, every parameter's gradient) of a 4-layer Qwen3.5 on one GPU, 4 × 512 tokens, in float32 (in bf16 this
+  model's gradients are 0.46, max |a − b| / max |b| of a leaf, from float32's for the dense dispatcher itself, too
+  coarse to tell a wrong dispatcher), its rows in spans of `span_tokens` (0: whole)."""
   config = _wide_config()
   mesh = build_mesh(MeshConfig(data=1, expert=1, tensor=1), jax.devices()[:1])
-  runtime = RuntimeConfig(dispatcher=dispatcher, dtype="float32")
+  runtime = RuntimeConfig(dispatcher=dispatcher, dtype="float32", sequence_span_tokens=span_tokens)
   graphdef, params = nnx.split(families.create_sharded(config, mesh, runtime=runtime))
   tokens = np.random.default_rng(0).integers(0, 512, (4, 513)).astype(np.int32)
 
@@ -267,11 +267,12 @@ def _gpu_gradients(dispatcher):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dispatcher", ["ring_expert", "all_to_all"])
-def test_on_a_gpu_each_dispatcher_trains_qwen35_as_dense(dispatcher):
+@pytest.mark.parametrize("dispatcher, span_tokens", [("ring_expert", 0), ("all_to_all", 128)])
+def test_on_a_gpu_each_dispatcher_trains_qwen35_as_dense(dispatcher, span_tokens):
   """Loss within 1e-5 and every parameter's gradient within 2e-3 (max |a − b| / max |b|) of the dense dispatcher's
-  (on CPU: 3.6e-4; two swapped experts move a leaf by O(1))."""
-  loss, grads = _gpu_gradients(dispatcher)
+  on whole rows (on CPU: 3.6e-4; two swapped experts move a leaf by O(1)); the all-to-all's rows in 4 spans of 128
+  (`models.spans`: the scan, the state and the conv's history carried across spans, on the GPU's kernels)."""
+  loss, grads = _gpu_gradients(dispatcher, span_tokens)
   loss_ref, grads_ref = _gpu_gradients("dense")
   assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-5 * loss_ref, (loss, loss_ref)
   rmt.assert_trees_close(grads, grads_ref, 2e-3)
