@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from models.attention import gated_delta as gd, gated_delta_kernels as gk
+from models.attention import gated_delta as gd, gated_delta_backward_kernels as gbk, gated_delta_kernels as gk
 from models.attention.gated_delta import (chunk_transition, combine_transitions, gated_delta_rule,
                                           recurrent_gated_delta_rule)
 
@@ -126,6 +126,27 @@ def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   for name in x:
     assert max_err(dx[name], dx_ref[name]) < 1e-5 * max(1.0, np.abs(dx_ref[name]).max()), name
 
+def test_a_kernel_program_takes_a_run_of_chunks_as_one_chunk_each(monkeypatch):
+  """The kernels whose programs take runs of chunks (`chunk_wy`, `output_value_backward`, `state_inputs_backward`),
+  at runs of 2: outputs, final state and every gradient bit for bit what one chunk a program gives (4 chunks a row,
+  documents, K = V = 16). Mutants killed: every chunk of a run read or written at the run's first, in each kernel;
+  the run's axis wrong for the value heads' refs; the grid over chunks, not runs."""
+  x = make_inputs(256, a_max=1.0)
+  seg = three_documents(256)
+  w_o, w_s = weights(256)
+
+  def at_most(per):
+    for module, name in ((gk, "WY_CHUNKS"), (gbk, "OUTPUT_VALUE_CHUNKS"), (gbk, "STATE_INPUTS_CHUNKS")):
+      monkeypatch.setattr(module, name, per)
+    return run_and_grads(functools.partial(gated_delta_rule, state_kernel="pallas"), x, w_o, w_s, seg)
+
+  (o, s, dx), (o_one, s_one, dx_one) = at_most(2), at_most(1)
+  np.testing.assert_array_equal(o, o_one)
+  np.testing.assert_array_equal(s, s_one)
+  for name in x:
+    np.testing.assert_array_equal(dx[name], dx_one[name], err_msg=name)
+
+
 @pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
 def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   """bfloat16 operands with float32 accumulation (the XLA form's `chunk_dtype=bfloat16`; the kernel path's own
@@ -196,7 +217,7 @@ def test_on_a_gpu_the_compiled_pallas_kernels_match_the_xla_form(dtype, toleranc
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU; run `pytest -m gpu` there")
   rng = np.random.default_rng(0)
-  b, s, hk, hv, k = 2, 320, 2, 4, 128
+  b, s, hk, hv, k = 2, 512, 2, 4, 128  # 8 chunks: the kernels that take runs of chunks take runs of 4
   normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
   x = dict(q=normal(b, s, hk, k), k=normal(b, s, hk, k), v=normal(b, s, hv, k),
            g=-np.logaddexp(0.0, normal(b, s, hv)), beta=1.0 / (1.0 + np.exp(-normal(b, s, hv))),

@@ -23,8 +23,8 @@ for an H200 at 16 × 4096: 255 registers and 1224 bytes spilled in `wy_backward`
 bytes in `output_backward` with ∂V_new inside and its K blocks a loop); split, they spill 36–244 bytes, and an H100
 ran the backward 1.0 ms faster at 16 × 4096 though dW and the partial dK make a round trip through memory.
 
-The programs of `output_backward` (and one block of K), `state_inputs_backward` and `wy_backward` take one (row, key
-head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32 at the key heads;
+The programs of `output_backward` (and one block of K), `state_inputs_backward` (a run of chunks) and `wy_backward`
+take one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32 at the key heads;
 the other gradients are per value head, float32 (dV in v's dtype). Key and value columns go in blocks of BLOCK_V. Each
 takes `interpret` as the forward kernels do.
 
@@ -39,8 +39,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, sees_in_chunk,
-                                                  state_specs)
+from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, over_chunks,
+                                                  run_length, run_stages, sees_in_chunk, state_specs)
+
+# The most chunks a program of these kernels takes in turn (`gated_delta_kernels.WY_CHUNKS`). One H100, 16 x 4096,
+# runs of 4 against one chunk a program: state_inputs_backward 2.25 -> 2.05 ms, output_value_backward within 1%;
+# output_backward (3.16 -> 3.40 ms, its spills 172 -> 352 bytes) and wy_backward (2.23 -> 2.87) slower, so they take
+# one chunk a program.
+OUTPUT_VALUE_CHUNKS = 4
+STATE_INPUTS_CHUNKS = 4
 
 
 def _column_blocks(width):
@@ -84,12 +91,12 @@ def _output_backward_kernel(q_ref, k_ref, gamma_ref, reads_ref, seg_ref, states_
   dq_ref[...], dk_ref[...] = lax.fori_loop(0, gamma_ref.shape[0], value_head, (zeros, zeros))
 
 
-def _by_key_head(b, hk, r, n, c):
-  """BlockSpec makers over the grid (row, key head, chunk)."""
+def _by_key_head(r, c, run=pl.squeezed):
+  """BlockSpec makers over the grid (row, key head, chunk or run of `run` chunks)."""
   sq = pl.squeezed
-  key = lambda *tail: pl.BlockSpec((sq, sq, sq) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
-  value = lambda *tail: pl.BlockSpec((sq, r, sq) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
-  position = pl.BlockSpec((sq, sq, c), lambda bi, gi, ni: (bi, ni, 0))
+  key = lambda *tail: pl.BlockSpec((sq, sq, run) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
+  value = lambda *tail: pl.BlockSpec((sq, r, run) + tail, lambda bi, gi, ni: (bi, gi, ni) + (0,) * len(tail))
+  position = pl.BlockSpec((sq, run, c), lambda bi, gi, ni: (bi, ni, 0))
   return key, value, position
 
 
@@ -130,18 +137,20 @@ def _output_value_backward_kernel(q_ref, k_ref, gamma_ref, seg_ref, do_ref, dvne
 
 def output_value_backward(q_BGNCK, k_BGNCK, gamma_BHNC, seg_BNC, do_BSHV, dtype, interpret):
   """∂V_new [B, H, N, C, V] in `dtype`, the cotangent of the forward's `chunk_output` that reaches V_new (the state
-  pass's backward takes it), from dO [B, N·C, H, V]. One program per (row, value head, chunk)."""
+  pass's backward takes it), from dO [B, N·C, H, V]. One program per (row, value head, run of up to
+  OUTPUT_VALUE_CHUNKS chunks)."""
   b, hk, n, c, k = q_BGNCK.shape
   h, v = gamma_BHNC.shape[1], do_BSHV.shape[-1]
-  sq = pl.squeezed
-  key = pl.BlockSpec((sq, sq, sq, c, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0))
-  in_specs = [key, key, pl.BlockSpec((sq, sq, sq, c), lambda bi, hi, ni: (bi, hi, ni, 0)),
-              pl.BlockSpec((sq, sq, c), lambda bi, hi, ni: (bi, ni, 0)),
-              pl.BlockSpec((sq, c, sq, v), lambda bi, hi, ni: (bi, ni, hi, 0))]
-  out_spec = pl.BlockSpec((sq, sq, sq, c, v), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
-  return call(functools.partial(_output_value_backward_kernel, dtype=dtype), (b, h, n), in_specs, out_spec,
-              jax.ShapeDtypeStruct((b, h, n, c, v), dtype), interpret, "gated_delta_output_value_backward")(
-                  q_BGNCK, k_BGNCK, gamma_BHNC, seg_BNC, do_BSHV)
+  sq, per = pl.squeezed, run_length(n, OUTPUT_VALUE_CHUNKS)
+  key = pl.BlockSpec((sq, sq, per, c, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0))
+  in_specs = [key, key, pl.BlockSpec((sq, sq, per, c), lambda bi, hi, ni: (bi, hi, ni, 0)),
+              pl.BlockSpec((sq, per, c), lambda bi, hi, ni: (bi, ni, 0)),
+              pl.BlockSpec((sq, per, c, sq, v), lambda bi, hi, ni: (bi, ni, 0, hi, 0))]
+  out_spec = pl.BlockSpec((sq, sq, per, c, v), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
+  kernel = over_chunks(functools.partial(_output_value_backward_kernel, dtype=dtype), (0,) * 6)
+  return call(kernel, (b, h, n // per), in_specs, out_spec, jax.ShapeDtypeStruct((b, h, n, c, v), dtype), interpret,
+              "gated_delta_output_value_backward", run_stages(per))(
+                  q_BGNCK, k_BGNCK, gamma_BHNC, seg_BNC, do_BSHV.reshape(b, n, c, h, v))
 
 
 def _state_backward_kernel(kd_ref, w_ref, q_ref, gamma_ref, reads_ref, decay_ref, do_ref, dvnew_in_ref, dfinal_ref,
@@ -238,13 +247,16 @@ def state_inputs_backward(k_BGNCK, gamma_BHNC, masks, states_BHNKV, dcarry_BHNKV
   (`gated_delta_chunks.Masks`)."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = vnew_BHNCV.shape[1], vnew_BHNCV.shape[-1]
-  key, value, position = _by_key_head(b, hk, h // hk, n, c)
-  keeps = pl.BlockSpec((pl.squeezed, pl.squeezed, 1), lambda bi, gi, ni: (bi, ni, 0))
+  per = run_length(n, STATE_INPUTS_CHUNKS)
+  key, value, position = _by_key_head(h // hk, c, per)
+  keeps = pl.BlockSpec((pl.squeezed, per, 1), lambda bi, gi, ni: (bi, ni, 0))
   out_shape = [jax.ShapeDtypeStruct((b, h, n, c, k), dtype), jax.ShapeDtypeStruct(k_BGNCK.shape, jnp.float32),
                jax.ShapeDtypeStruct(gamma_BHNC.shape, jnp.float32)]
   in_specs = [key(c, k), value(c), position, keeps, value(k, v), value(k, v), value(c, v), value(c, v)]
-  return call(functools.partial(_state_inputs_backward_kernel, dtype=dtype), (b, hk, n), in_specs,
-              [value(c, k), key(c, k), value(c)], out_shape, interpret, "gated_delta_state_inputs_backward")(
+  # The run's axis: first in the key head's and the rows' refs, after the value heads in theirs.
+  kernel = over_chunks(functools.partial(_state_inputs_backward_kernel, dtype=dtype), (0, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1))
+  return call(kernel, (b, hk, n // per), in_specs, [value(c, k), key(c, k), value(c)], out_shape, interpret,
+              "gated_delta_state_inputs_backward", run_stages(per))(
                   k_BGNCK, gamma_BHNC, masks.writes_BNC, masks.keeps_BN[..., None], states_BHNKV, dcarry_BHNKV,
                   vnew_BHNCV, dvnew_BHNCV)
 
@@ -308,7 +320,7 @@ def wy_backward(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_B
   W = T Xw, T and A, from dV_new (`state_backward`), dW (`state_inputs_backward`) and the forward's T."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
-  key, value, position = _by_key_head(b, hk, h // hk, n, c)
+  key, value, position = _by_key_head(h // hk, c)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   out_shape = [f32(k_BGNCK.shape), jax.ShapeDtypeStruct(v_BHNCV.shape, v_BHNCV.dtype), f32(beta_BHNC.shape),
                f32(gamma_BHNC.shape)]

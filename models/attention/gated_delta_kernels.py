@@ -4,7 +4,7 @@ backward's kernels (`gated_delta_backward_kernels`) share; `gated_delta_kernel_p
 
 - `chunk_wy`: each chunk's T = (I + A)⁻¹, U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
-  (row, value head, chunk). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
+  (row, value head, run of chunks: `over_chunks` loops a one-chunk kernel over its program's run). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
   inversion. The backward takes T and recomputes U and W from it in XLA (`wy_xla`).
 - `state_forward`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip:
@@ -40,6 +40,10 @@ MIN_PROGRAMS = 256  # about two per SM of an H200 (132): a long row with few hea
 # Triton's software pipelining of the loop over chunks: the next chunk's loads overlap this chunk's matmuls (an H200,
 # 16 x 4096, Qwen3.5's heads: 1.46 / 2.82 ms forward / backward against 1.88 / 3.27 with one stage).
 STATE_STAGES = 2
+# The most chunks `chunk_wy`'s program takes in turn (a run: `run_length`), its
+# loop over them pipelined as the state pass's is (one H100, 16 x 4096: 3.19 -> 2.07 ms against one chunk a program).
+WY_CHUNKS = 4
+RUN_STAGES = 2
 
 
 def _precision(dtype):
@@ -67,6 +71,59 @@ def call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, num_stag
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, name=name,
                         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+
+
+def run_length(num_chunks, most):
+  """Chunks a program takes: the largest power of 2 up to `most` that divides `num_chunks` (Triton's blocks have
+  power-of-2 sides)."""
+  per = 1
+  while 2 * per <= most and num_chunks % (2 * per) == 0:
+    per *= 2
+  return per
+
+
+def run_stages(per):
+  """Triton's pipelining stages for a program's loop over its run of `per` chunks (none without a loop)."""
+  return RUN_STAGES if per > 1 else 1
+
+
+class ChunkRef:
+  """Chunk `n` of a ref holding a run of chunks at `axis`, indexed as the one-chunk ref would be: a kernel's body
+  written for one chunk runs over a program's run unchanged."""
+
+  def __init__(self, ref, n, axis):
+    self.ref, self.n, self.axis = ref, n, axis
+    self.shape, self.dtype = ref.shape[:axis] + ref.shape[axis + 1:], ref.dtype
+
+  def _at(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    ellipsis = [i for i, x in enumerate(index) if x is Ellipsis]
+    if ellipsis:
+      e = ellipsis[0]
+      index = index[:e] + (slice(None),) * (len(self.shape) - len(index) + 1) + index[e + 1:]
+    index = index + (slice(None),) * (len(self.shape) - len(index))
+    return index[:self.axis] + (self.n,) + index[self.axis:]
+
+  def __getitem__(self, index):
+    return self.ref[self._at(index)]
+
+  def __setitem__(self, index, value):
+    self.ref[self._at(index)] = value
+
+
+def over_chunks(kernel, axes):
+  """A one-chunk kernel run over its program's run of chunks, in a loop (a run of one: no loop). `axes[i]`: the run's
+  axis in the i-th ref, None for a ref every chunk shares."""
+
+  def over_run(*refs):
+    per = next(ref.shape[axis] for ref, axis in zip(refs, axes, strict=True) if axis is not None)
+    chunk = lambda n: kernel(*(ref if axis is None else ChunkRef(ref, n, axis) for ref, axis in zip(refs, axes)))
+    if per == 1:
+      chunk(0)
+    else:
+      lax.fori_loop(0, per, lambda n, carry: (chunk(n), carry)[1], 0)
+
+  return over_run
 
 
 def decay(gamma_r, gamma_s, sees):
@@ -157,28 +214,29 @@ def takes_the_kernels(chunk_size):
 
 def chunk_wy(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, dtype, interpret):
   """(T, U, W) [B, H, N, C, ·] in `dtype`, U = T βV and W = T (K ⊙ β m exp(Γ)), T = (I + A)⁻¹, A each chunk's
-  strictly lower (diag(β) K Kᵀ) ⊙ D, all in one kernel, one program per (row, value head, chunk): from the keys
-  [B, G, N, C, K] and values [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and the documents
-  [B, N, C]. T in float32 inside, rounded to `dtype` where a matmul reads it and where it is stored."""
+  strictly lower (diag(β) K Kᵀ) ⊙ D, all in one kernel, one program per (row, value head, run of up to WY_CHUNKS
+  chunks): from the keys [B, G, N, C, K] and values [B, H, N, C, V] in `dtype`, β and Γ [B, H, N, C] float32, m and
+  the documents [B, N, C]. T in float32 inside, rounded to `dtype` where a matmul reads it and where it is stored."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
-  blocks, sq = c // BLOCK, pl.squeezed
-  by_value_head = lambda width: pl.BlockSpec((sq, sq, sq, blocks, BLOCK, width),
+  blocks, sq, per = c // BLOCK, pl.squeezed, run_length(n, WY_CHUNKS)
+  by_value_head = lambda width: pl.BlockSpec((sq, sq, per, blocks, BLOCK, width),
                                              lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0))
-  per_position = pl.BlockSpec((sq, sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
-  per_row_position = pl.BlockSpec((sq, sq, blocks, BLOCK), lambda bi, hi, ni: (bi, ni, 0, 0))
-  in_specs = [pl.BlockSpec((sq, sq, sq, blocks, BLOCK, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0, 0)),
+  per_position = pl.BlockSpec((sq, sq, per, blocks, BLOCK), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
+  per_row_position = pl.BlockSpec((sq, per, blocks, BLOCK), lambda bi, hi, ni: (bi, ni, 0, 0))
+  in_specs = [pl.BlockSpec((sq, sq, per, blocks, BLOCK, k), lambda bi, hi, ni: (bi, hi // (h // hk), ni, 0, 0, 0)),
               by_value_head(v), per_position, per_position, per_row_position, per_row_position]
   t_view = (b, h, n, blocks, BLOCK, blocks, BLOCK)
-  out_specs = [pl.BlockSpec((sq, sq, sq) + t_view[3:], lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0, 0)),
+  out_specs = [pl.BlockSpec((sq, sq, per) + t_view[3:], lambda bi, hi, ni: (bi, hi, ni, 0, 0, 0, 0)),
                by_value_head(v), by_value_head(k)]
   out_shape = [jax.ShapeDtypeStruct(t_view, dtype), jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, v), dtype),
                jax.ShapeDtypeStruct((b, h, n, blocks, BLOCK, k), dtype)]
   by_blocks = lambda x: x.reshape(*x.shape[:3], blocks, BLOCK, *x.shape[4:])
-  t, u, w = call(functools.partial(_chunk_wy_kernel, dtype=dtype), (b, h, n), in_specs, out_specs, out_shape,
-                  interpret, "gated_delta_chunk_wy")(
-                      k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
-                      by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
+  kernel = over_chunks(functools.partial(_chunk_wy_kernel, dtype=dtype), (0,) * 9)
+  t, u, w = call(kernel, (b, h, n // per), in_specs, out_specs, out_shape, interpret, "gated_delta_chunk_wy",
+                 run_stages(per))(
+                     k_BGNCK.reshape(b, hk, n, blocks, BLOCK, k), by_blocks(v_BHNCV), by_blocks(beta_BHNC),
+                     by_blocks(gamma_BHNC), *(x.reshape(b, n, blocks, BLOCK) for x in (reads_BNC, seg_BNC)))
   return t.reshape(b, h, n, c, c), u.reshape(b, h, n, c, v), w.reshape(b, h, n, c, k)
 
 
