@@ -24,9 +24,9 @@ bytes in `output_backward` with ∂V_new inside and its K blocks a loop); split,
 ran the backward 1.0 ms faster at 16 × 4096 though dW and the partial dK make a round trip through memory.
 
 The programs of `output_backward` (and one block of K), `state_inputs_backward` (a run of chunks) and `wy_backward`
-take one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32 at the key heads;
-the other gradients are per value head, float32 (dV in v's dtype). Key and value columns go in blocks of BLOCK_V. Each
-takes `interpret` as the forward kernels do.
+take one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32
+at the key heads; the other gradients are per value head, float32 (dV in v's dtype). Key and value columns go in
+blocks of BLOCK_V. Each takes `interpret` as the forward kernels do.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -43,9 +43,9 @@ from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v
                                                   run_length, run_stages, sees_in_chunk, state_specs)
 
 # The most chunks a program of these kernels takes in turn (`gated_delta_kernels.WY_CHUNKS`). One H100, 16 x 4096,
-# runs of 4 against one chunk a program: state_inputs_backward 2.25 -> 2.05 ms, output_value_backward within 1%;
-# output_backward (3.16 -> 3.40 ms, its spills 172 -> 352 bytes) and wy_backward (2.23 -> 2.87) slower, so they take
-# one chunk a program.
+# runs of 4 against one chunk a program: state_inputs_backward 2.27 -> 2.07 ms, output_value_backward within 1%;
+# runs made output_backward (3.16 -> 3.40 ms, its spills 172 -> 352 bytes) and wy_backward (2.23 -> 2.87) slower, so
+# they take one chunk a program.
 OUTPUT_VALUE_CHUNKS = 4
 STATE_INPUTS_CHUNKS = 4
 

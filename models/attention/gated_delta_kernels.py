@@ -4,8 +4,9 @@ backward's kernels (`gated_delta_backward_kernels`) share; `gated_delta_kernel_p
 
 - `chunk_wy`: each chunk's T = (I + A)⁻¹, U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
-  (row, value head, run of chunks: `over_chunks` loops a one-chunk kernel over its program's run). T's diagonal blocks of 16 by forward substitution, the blocks below them by block
-  inversion. The backward takes T and recomputes U and W from it in XLA (`wy_xla`).
+  (row, value head, run of chunks: `over_chunks` loops a one-chunk kernel over its program's run). T's diagonal
+  blocks of 16 by forward substitution, the blocks below them by block inversion. The backward takes T and
+  recomputes U and W from it in XLA (`wy_xla`).
 - `state_forward`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip:
 
@@ -40,8 +41,8 @@ MIN_PROGRAMS = 256  # about two per SM of an H200 (132): a long row with few hea
 # Triton's software pipelining of the loop over chunks: the next chunk's loads overlap this chunk's matmuls (an H200,
 # 16 x 4096, Qwen3.5's heads: 1.46 / 2.82 ms forward / backward against 1.88 / 3.27 with one stage).
 STATE_STAGES = 2
-# The most chunks `chunk_wy`'s program takes in turn (a run: `run_length`), its
-# loop over them pipelined as the state pass's is (one H100, 16 x 4096: 3.19 -> 2.07 ms against one chunk a program).
+# The most chunks `chunk_wy`'s program takes in turn (a run: `run_length`), its loop over them pipelined as the state
+# pass's is: each program waited on its loads (one H100, 16 x 4096: 3.19 -> 2.07 ms against one chunk a program).
 WY_CHUNKS = 4
 RUN_STAGES = 2
 
@@ -113,15 +114,20 @@ class ChunkRef:
 
 def over_chunks(kernel, axes):
   """A one-chunk kernel run over its program's run of chunks, in a loop (a run of one: no loop). `axes[i]`: the run's
-  axis in the i-th ref, None for a ref every chunk shares."""
+  axis in the i-th ref."""
 
   def over_run(*refs):
-    per = next(ref.shape[axis] for ref, axis in zip(refs, axes, strict=True) if axis is not None)
-    chunk = lambda n: kernel(*(ref if axis is None else ChunkRef(ref, n, axis) for ref, axis in zip(refs, axes)))
+    chunk = lambda n: kernel(*(ChunkRef(ref, n, axis) for ref, axis in zip(refs, axes, strict=True)))
+    per = refs[0].shape[axes[0]]
     if per == 1:
       chunk(0)
-    else:
-      lax.fori_loop(0, per, lambda n, carry: (chunk(n), carry)[1], 0)
+      return
+
+    def body(n, carry):
+      chunk(n)
+      return carry
+
+    lax.fori_loop(0, per, body, 0)
 
   return over_run
 
