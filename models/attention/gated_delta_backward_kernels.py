@@ -44,9 +44,8 @@ from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v
 
 # The most chunks a program of these kernels takes in turn (`gated_delta_kernels.WY_CHUNKS`). One H100, 16 x 4096,
 # runs of 4 against one chunk a program: state_inputs_backward 2.27 -> 2.07 ms (output_value_backward, under 1.1 ms
-# either way, not timed alone);
-# runs made output_backward (3.16 -> 3.40 ms, its spills 172 -> 352 bytes) and wy_backward (2.23 -> 2.87) slower, so
-# they take one chunk a program.
+# either way, not timed alone); runs made output_backward (3.16 -> 3.40 ms, its spills 172 -> 352 bytes) and
+# wy_backward (2.23 -> 2.87) slower, so they take one chunk a program.
 OUTPUT_VALUE_CHUNKS = 4
 STATE_INPUTS_CHUNKS = 4
 
