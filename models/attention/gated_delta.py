@@ -182,7 +182,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     l2_normalize: L2-normalise q and k over K first.
     output_final_state: also return the state after the last token.
     state_kernel: "xla": the chunked form in XLA, its loop over chunks a `lax.scan`; "pallas": the chunks'
-      inverses, the loop over chunks and the output as Pallas kernels, the backward as three more (compiled on GPUs,
+      inverses, the loop over chunks and the output as Pallas kernels, the backward as five more (compiled on GPUs,
       in Pallas' interpreter elsewhere), every matmul on bfloat16 operands (float32 accumulation, state and decays)
       unless v is float32.
     chunk_dtype: the XLA form's matmuls that do not involve the state (K·Kᵀ, Q·Kᵀ, and (I + A)⁻¹ times βV and the

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, block_v, call, decay, dot, over_chunks,
-                                                  run_length, run_stages, sees_in_chunk, state_specs)
+from models.attention.gated_delta_kernels import (BLOCK_V, STATE_STAGES, call, chunk_end, decay, dot, over_chunks,
+                                                  run_length, run_stages, sees_in_chunk, state_specs, write_decays)
 
 # The most chunks a program of these kernels takes in turn (`gated_delta_kernels.WY_CHUNKS`). One H100, 16 x 4096,
 # runs of 4 against one chunk a program: state_inputs_backward 2.27 -> 2.07 ms (output_value_backward, under 1.1 ms
@@ -153,43 +153,43 @@ def output_value_backward(q_BGNCK, k_BGNCK, gamma_BHNC, seg_BNC, do_BSHV, dtype,
                   q_BGNCK, k_BGNCK, gamma_BHNC, seg_BNC, do_BSHV.reshape(b, n, c, h, v))
 
 
-def _state_backward_kernel(kd_ref, w_ref, q_ref, gamma_ref, reads_ref, decay_ref, do_ref, dvnew_in_ref, dfinal_ref,
-                           dcarry_ref, dvnew_ref, dstate_ref, *, num_chunks, dtype):
+def _state_backward_kernel(k_ref, gamma_ref, writes_ref, reads_ref, w_ref, q_ref, decay_ref, do_ref, dvnew_in_ref,
+                           dfinal_ref, dcarry_ref, dvnew_ref, dstate_ref, *, num_chunks, dtype):
   c = q_ref.shape[1]
 
   def chunk(i, ds_KJ):
     n = num_chunks - 1 - i
     dcarry_ref[n] = ds_KJ.astype(dcarry_ref.dtype)
-    dvnew_CJ = dvnew_in_ref[n].astype(jnp.float32) + dot(kd_ref[n], ds_KJ, dtype)
+    gamma_C = gamma_ref[n]
+    kd_CK = k_ref[n].astype(jnp.float32) * write_decays(gamma_C, writes_ref[n])[:, None]
+    dvnew_CJ = dvnew_in_ref[n].astype(jnp.float32) + dot(kd_CK, ds_KJ, dtype)
     dvnew_ref[n] = dvnew_CJ.astype(dvnew_ref.dtype)
-    qd_CK = q_ref[n].astype(jnp.float32) * (reads_ref[n] * jnp.exp(gamma_ref[n]))[:, None]
+    qd_CK = q_ref[n].astype(jnp.float32) * (reads_ref[n] * jnp.exp(gamma_C))[:, None]
     return (decay_ref[pl.ds(n, 1)] * ds_KJ + dot(qd_CK, do_ref[pl.ds(n * c, c)], dtype, trans_a=True)
             - dot(w_ref[n], dvnew_CJ, dtype, trans_a=True))
 
   dstate_ref[...] = lax.fori_loop(0, num_chunks, chunk, dfinal_ref[...].astype(jnp.float32))
 
 
-def state_backward(kd, w, q_BGNCK, gamma_BHNC, reads_BNC, decay_BHN, do_BSHV, dvnew_in, dfinal, dtype, interpret):
+def state_backward(k_BGNCK, gamma_BHNC, masks, w, q_BGNCK, decay_BHN, do_BSHV, dvnew_in, dfinal, dtype, interpret):
   """The loop over chunks backward: (dS' [B, H, N, K, V], the gradient of the state leaving each chunk, and dV_new
-  [B, H, N, C, V], ∂V_new + Kd dS', in `dtype`; the initial state's gradient [B, H, K, V] float32), from Kd, W,
-  the decays and the output's cotangents: ∂S_n = (Q ⊙ m exp(Γ))ᵀ dO formed here from q [B, G, N, C, K], Γ, m and
-  dO [B, N·C, H, V]; ∂V_new (`output_backward`) and the final state's."""
-  b, h, n, c, k = kd.shape
-  grid, spec = state_specs(kd, dvnew_in)
-  block, sq = block_v(b, h, dvnew_in.shape[-1]), pl.squeezed
-  r = h // q_BGNCK.shape[1]
-  q_spec = pl.BlockSpec((sq, sq, n, c, k), lambda bi, hi, ji: (bi, hi // r, 0, 0, 0))
-  gamma_spec = pl.BlockSpec((sq, sq, n, c), lambda bi, hi, ji: (bi, hi, 0, 0))
-  reads_spec = pl.BlockSpec((sq, n, c), lambda bi, hi, ji: (bi, 0, 0))
-  do_spec = pl.BlockSpec((sq, n * c, sq, block), lambda bi, hi, ji: (bi, 0, hi, ji))
+  [B, H, N, C, V], ∂V_new + Kd dS', in `dtype`; the initial state's gradient [B, H, K, V] float32), from the keys
+  (Kd formed here, as `state_forward` does), W, the decays and the output's cotangents: ∂S_n = (Q ⊙ m exp(Γ))ᵀ dO
+  formed here from q [B, G, N, C, K], Γ, m and dO [B, N·C, H, V]; ∂V_new (`output_backward`) and the final
+  state's; `masks` the chunks' (`gated_delta_chunks.Masks`)."""
+  b, h, n, c, k = w.shape
+  grid, spec = state_specs(k_BGNCK, dvnew_in)
+  block = dvnew_in.shape[-1] // grid[-1]
+  do_spec = pl.BlockSpec((pl.squeezed, n * c, pl.squeezed, block), lambda bi, hi, ji: (bi, 0, hi, ji))
   out_shape = [jax.ShapeDtypeStruct((b, h, n, k, dvnew_in.shape[-1]), dtype),
                jax.ShapeDtypeStruct(dvnew_in.shape, dtype), jax.ShapeDtypeStruct(dfinal.shape, jnp.float32)]
   kernel = functools.partial(_state_backward_kernel, num_chunks=n, dtype=dtype)
-  in_specs = [spec["chunk_k"], spec["chunk_k"], q_spec, gamma_spec, reads_spec, spec["decay"], do_spec,
-              spec["chunk_v"], spec["state"]]
+  in_specs = [spec["key_k"], spec["per_head"], spec["per_position"], spec["per_position"], spec["chunk_k"],
+              spec["key_k"], spec["decay"], do_spec, spec["chunk_v"], spec["state"]]
   return call(kernel, grid, in_specs, [spec["states"], spec["chunk_v"], spec["state"]], out_shape, interpret,
-              "gated_delta_state_backward", STATE_STAGES)(kd, w, q_BGNCK, gamma_BHNC, reads_BNC, decay_BHN, do_BSHV,
-                                                          dvnew_in, dfinal)
+              "gated_delta_state_backward", STATE_STAGES)(
+                  k_BGNCK, gamma_BHNC, masks.writes_BNC, masks.reads_BNC, w, q_BGNCK, decay_BHN, do_BSHV, dvnew_in,
+                  dfinal)
 
 
 def _last(x_C, value):
@@ -206,10 +206,8 @@ def _state_inputs_backward_kernel(k_ref, gamma_ref, writes_ref, keeps_ref, state
 
   def value_head(r, dk):
     gamma_C = gamma_ref[r]
-    gamma_end = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, gamma_C.shape, 0) == gamma_C.shape[0] - 1,
-                                  gamma_C, 0.0))
-    write_C = writes_ref[...] * jnp.exp(gamma_end - gamma_C)
-    state_decay = jnp.sum(keeps_ref[...]) * jnp.exp(gamma_end)
+    write_C = write_decays(gamma_C, writes_ref[...])
+    state_decay = jnp.sum(keeps_ref[...]) * jnp.exp(chunk_end(gamma_C))
     dgamma_C = jnp.zeros(gamma_C.shape, jnp.float32)
     to_end = jnp.zeros((), jnp.float32)  # dΓ at the chunk's last position: through Kd's and d's exp(Γ_C)
     dk = list(dk)
@@ -263,9 +261,9 @@ def state_inputs_backward(k_BGNCK, gamma_BHNC, masks, states_BHNKV, dcarry_BHNKV
 
 def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_ref, dw_ref, dvnew_ref, dk_ref,
                         dv_ref, dbeta_ref, dgamma_ref, *, dtype):
-  """One (row, key head, chunk): k_ref [C, K]; per value head r: v_ref, dvnew_ref [R, C, V], dw_ref [R, C, K],
-  beta_ref, gamma_ref [R, C], t_ref [R, C, C]; reads and documents [C]; outputs dk_ref [C, K], dv_ref [R, C, V],
-  dbeta_ref, dgamma_ref [R, C]."""
+  """One (row, key head, chunk): k_ref [C, K]; per value head r: v_ref [C, R, V] (v's layout), dvnew_ref [R, C, V],
+  dw_ref [R, C, K], beta_ref, gamma_ref [R, C], t_ref [R, C, C]; reads and documents [C]; outputs dk_ref [C, K],
+  dv_ref [C, R, V], dbeta_ref, dgamma_ref [R, C]."""
   keys, values = _column_blocks(k_ref.shape[1]), _column_blocks(v_ref.shape[-1])
   c = k_ref.shape[0]
 
@@ -277,10 +275,10 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t
     dt_CC = jnp.zeros((c, c), jnp.float32)
     dbeta_C = jnp.zeros(beta_C.shape, jnp.float32)
     for vc in values:
-      dvnew_CJ, v_CJ = dvnew_ref[r, :, vc], v_ref[r, :, vc].astype(jnp.float32)
+      dvnew_CJ, v_CJ = dvnew_ref[r, :, vc], v_ref[:, r, vc].astype(jnp.float32)
       dt_CC += dot(dvnew_CJ, v_CJ * beta_C[:, None], dtype, trans_b=True)
       dbv_CJ = dot(t_CC, dvnew_CJ, dtype, trans_a=True)
-      dv_ref[r, :, vc] = (dbv_CJ * beta_C[:, None]).astype(dv_ref.dtype)
+      dv_ref[:, r, vc] = (dbv_CJ * beta_C[:, None]).astype(dv_ref.dtype)
       dbeta_C += jnp.sum(dbv_CJ * v_CJ, axis=1)
     # W = T Xw, Xw = K ⊙ β m exp(Γ)
     read_C = reads_ref[...] * jnp.exp(gamma_C)
@@ -314,17 +312,20 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t
     dk_ref[:, kc] = dk[i]
 
 
-def wy_backward(k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV, dtype,
+def wy_backward(k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV, dtype,
                 interpret):
-  """(dK [B, G, N, C, K] float32, dV [B, H, N, C, V] in v's dtype, dβ and dΓ [B, H, N, C] float32) through U = T βV,
-  W = T Xw, T and A, from dV_new (`state_backward`), dW (`state_inputs_backward`) and the forward's T."""
+  """(dK [B, G, N, C, K] float32, dV [B, N, C, H, V] in v's dtype (v's layout), dβ and dΓ [B, H, N, C] float32)
+  through U = T βV, W = T Xw, T and A, from dV_new (`state_backward`), dW (`state_inputs_backward`) and the forward's
+  T."""
   b, hk, n, c, k = k_BGNCK.shape
-  h, v = v_BHNCV.shape[1], v_BHNCV.shape[-1]
-  key, value, position = _by_key_head(h // hk, c)
+  h, v = v_BNCHV.shape[3:]
+  r = h // hk
+  key, value, position = _by_key_head(r, c)
+  values = pl.BlockSpec((pl.squeezed, pl.squeezed, c, r, v), lambda bi, gi, ni: (bi, ni, 0, gi, 0))
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  out_shape = [f32(k_BGNCK.shape), jax.ShapeDtypeStruct(v_BHNCV.shape, v_BHNCV.dtype), f32(beta_BHNC.shape),
+  out_shape = [f32(k_BGNCK.shape), jax.ShapeDtypeStruct(v_BNCHV.shape, v_BNCHV.dtype), f32(beta_BHNC.shape),
                f32(gamma_BHNC.shape)]
-  in_specs = [key(c, k), value(c, v), value(c), value(c), position, position, value(c, c), value(c, k), value(c, v)]
+  in_specs = [key(c, k), values, value(c), value(c), position, position, value(c, c), value(c, k), value(c, v)]
   return call(functools.partial(_wy_backward_kernel, dtype=dtype), (b, hk, n), in_specs,
-              [key(c, k), value(c, v), value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward")(
-                  k_BGNCK, v_BHNCV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)
+              [key(c, k), values, value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward")(
+                  k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)

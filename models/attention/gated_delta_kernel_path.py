@@ -1,7 +1,8 @@
 """The gated delta rule's kernel path (`gated_delta_rule(state_kernel="pallas")`): the chunked form (`gated_delta`'s
 docstring) forward on `gated_delta_kernels`' three kernels and backward on `gated_delta_backward_kernels`' five, in
-head-major layout ([B, H, N, C, ·]), q and k at their key heads, with XLA's elementwise work around them:
-normalising q and k, Γ, the decayed keys and the chunks' decays, and their VJP.
+head-major layout ([B, H, N, C, ·]) but v and dO, read where they lie ([B, N, C, H, V], a free reshape of
+[B, S, H, V]), q and k at their key heads, with XLA's elementwise work around them: normalising q and k, Γ, the
+chunks' decays, and their VJP.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -16,8 +17,8 @@ from jax import lax
 from models.attention import gated_delta_chunks as gdc
 from models.attention.gated_delta_backward_kernels import (output_backward, output_value_backward, state_backward,
                                                            state_inputs_backward, wy_backward)
-from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, scaled, state_forward,
-                                                  takes_the_kernels, wy_xla)
+from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, state_forward, takes_the_kernels,
+                                                  wy_xla)
 
 
 def _per_platform(call, *args):
@@ -28,26 +29,30 @@ def _per_platform(call, *args):
 
 class _HeadChunks(NamedTuple):
   """The kernel path's inputs in chunks, head-major ([B, H, N, C, ·]: every matmul's batch dimensions lead, so XLA
-  moves no operand), q and k at their key heads (value head h = key head g, repeat r)."""
+  moves no operand), q and k at their key heads (value head h = key head g, repeat r); v sequence-major as it came
+  (the kernels that read it index its heads: no transpose of the largest input)."""
   q_BGNCK: jax.Array  # normalised, float32 (the kernels round it to their operand dtype)
   k_BGNCK: jax.Array
-  v_BHNCV: jax.Array  # v's dtype
+  v_BNCHV: jax.Array  # v's dtype
   gamma_BHNC: jax.Array  # Γ, the chunk's cumulative log decay, float32
   beta_BHNC: jax.Array  # float32
 
 
+def _in_chunks(x_BS_, chunk_size):
+  """[B, S, ...] → [B, N, C, ...], right-padding S to a multiple of C (without padding, a free reshape)."""
+  x_BS_ = jnp.pad(x_BS_, [(0, 0), (0, -x_BS_.shape[1] % chunk_size)] + [(0, 0)] * (x_BS_.ndim - 2))
+  return x_BS_.reshape(x_BS_.shape[0], -1, chunk_size, *x_BS_.shape[2:])
+
+
 def _head_major(x_BS_, chunk_size):
   """[B, S, H, ...] → [B, H, N, C, ...] (one transpose), right-padding S to a multiple of C."""
-  x_BHS_ = jnp.moveaxis(x_BS_, 2, 1)
-  pad = -x_BHS_.shape[2] % chunk_size
-  x_BHS_ = jnp.pad(x_BHS_, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x_BHS_.ndim - 3))
-  return x_BHS_.reshape(*x_BHS_.shape[:2], -1, chunk_size, *x_BHS_.shape[3:])
+  return jnp.moveaxis(_in_chunks(x_BS_, chunk_size), 3, 1)
 
 
 def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize):
   """The kernels' inputs from the rule's, in XLA (the backward differentiates it)."""
   q_BSGK, k_BSGK = gdc.normalize_qk(q, k, v.shape[2], l2_normalize)
-  return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), _head_major(v, chunk_size),
+  return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), _in_chunks(v, chunk_size),
                      jnp.cumsum(_head_major(g.astype(jnp.float32), chunk_size), axis=-1),
                      _head_major(beta.astype(jnp.float32), chunk_size))
 
@@ -58,31 +63,27 @@ class _Chunks(NamedTuple):
   k_BGNCK: jax.Array
   masks: gdc.Masks
   seg_BNC: jax.Array
-  kd_BHNCK: jax.Array  # K ⊙ e exp(Γ_C − Γ), in the operand dtype
   decay_BHN: jax.Array  # c exp(Γ_C)
 
 
 def _chunks(x, seg_BS, chunk_size, dtype):
-  b, hk, n, c, _ = x.k_BGNCK.shape
   masks = gdc.chunk_masks(seg_BS, chunk_size)
-  gamma_BGRNC = x.gamma_BHNC.reshape(b, hk, -1, n, c)
-  gamma_end_BGRN = gamma_BGRNC[..., -1]
-  kd_BGRNCK = scaled(x.k_BGNCK, masks.writes_BNC[:, None, None] * jnp.exp(gamma_end_BGRN[..., None] - gamma_BGRNC),
-                     dtype)
-  decay_BGRN = masks.keeps_BN[:, None, None] * jnp.exp(gamma_end_BGRN)
+  b, hk, n = x.k_BGNCK.shape[:3]
+  decay_BGRN = masks.keeps_BN[:, None, None] * jnp.exp(x.gamma_BHNC.reshape(b, hk, -1, n, chunk_size)[..., -1])
   return _Chunks(x.q_BGNCK.astype(dtype), x.k_BGNCK.astype(dtype), masks, gdc.to_chunks(seg_BS, chunk_size, "edge"),
-                 kd_BGRNCK.reshape(b, -1, n, c, kd_BGRNCK.shape[-1]), decay_BGRN.reshape(b, -1, n))
+                 decay_BGRN.reshape(b, -1, n))
 
 
 def _state_pass(x, ch, state_BHKV, t_BHNCC, dtype):
   """(T, W, S_n, V_new, final state): T, U and W by `chunk_wy`'s kernel, or, given T, U and W from it in XLA."""
-  wy_inputs = (ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC, x.gamma_BHNC, ch.masks.reads_BNC)
+  wy_inputs = (ch.k_BGNCK, x.v_BNCHV, x.beta_BHNC, x.gamma_BHNC, ch.masks.reads_BNC)
   if t_BHNCC is None:
     t_BHNCC, u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), *wy_inputs, ch.seg_BNC)
   else:
     u_BHNCV, w_BHNCK = wy_xla(t_BHNCC, *wy_inputs, dtype)
-  states_BHNKV, vnew_BHNCV, final_BHKV = _per_platform(lambda *a: state_forward(*a[:-1], dtype, a[-1]),
-                                                       ch.kd_BHNCK, w_BHNCK, u_BHNCV, ch.decay_BHN, state_BHKV)
+  states_BHNKV, vnew_BHNCV, final_BHKV = _per_platform(
+      lambda *a: state_forward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC, ch.masks.writes_BNC, w_BHNCK,
+      u_BHNCV, ch.decay_BHN, state_BHKV)
   return t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, final_BHKV
 
 
@@ -139,15 +140,15 @@ def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotan
   dvnew_BHNCV = _per_platform(lambda *a: output_value_backward(*a[:-1], dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK,
                               x.gamma_BHNC, ch.seg_BNC, do_BSHV)
   dcarry_BHNKV, dvnew_BHNCV, dstate_BHKV = _per_platform(
-      lambda *a: state_backward(*a[:-1], dtype, a[-1]), ch.kd_BHNCK, w_BHNCK, ch.q_BGNCK, x.gamma_BHNC,
-      ch.masks.reads_BNC, ch.decay_BHN, do_BSHV, dvnew_BHNCV, dfinal_BHKV)
+      lambda *a: state_backward(a[0], a[1], ch.masks, *a[2:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC, w_BHNCK,
+      ch.q_BGNCK, ch.decay_BHN, do_BSHV, dvnew_BHNCV, dfinal_BHKV)
   dw_BHNCK, dk_kd_BGNCK, dgamma_kd_BHNC = _per_platform(
       lambda *a: state_inputs_backward(a[0], a[1], ch.masks, *a[2:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC,
       states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
-  dk_wy_BGNCK, dv_BHNCV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
-      lambda *a: wy_backward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BHNCV, x.beta_BHNC, x.gamma_BHNC,
+  dk_wy_BGNCK, dv_BNCHV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
+      lambda *a: wy_backward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BNCHV, x.beta_BHNC, x.gamma_BHNC,
       ch.masks.reads_BNC, ch.seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)
-  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_kd_BGNCK + dk_wy_BGNCK, dv_BHNCV,
+  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_kd_BGNCK + dk_wy_BGNCK, dv_BNCHV,
                                                  dgamma_BHNC + dgamma_kd_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
   return dq, dk, dv, dg, dbeta, None, dstate_BHKV
 
