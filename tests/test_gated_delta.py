@@ -150,6 +150,32 @@ def test_a_kernel_program_takes_a_run_of_chunks_as_one_chunk_each(monkeypatch):
 
 
 @pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
+def test_without_the_l2_norm_q_is_only_scaled(state_kernel):
+  """`l2_normalize=False` (q scaled by K^-1/2, k as given; keys of norm about 0.8 keep the rule stable): outputs, final
+  state and every gradient as the recurrence's, float32, 1e-5 of the largest, documents and an initial state; the
+  outputs linear in q (twice q, twice o); on q and k normalised beforehand, the outputs of the rule normalising them
+  itself. Mutants killed: the flag dropped on the way to either form, or ignored where both normalise (q and k
+  normalised anyway)."""
+  x = make_inputs(130, a_max=1.0)
+  x["q"], x["k"] = x["q"] * 0.2, x["k"] * 0.2
+  seg = three_documents()
+  w_o, w_s = weights(130)
+  rule = functools.partial(gated_delta_rule, state_kernel=state_kernel, l2_normalize=False)
+  o, s, dx = run_and_grads(rule, x, w_o, w_s, seg)
+  o_ref, s_ref, dx_ref = run_and_grads(functools.partial(recurrent_gated_delta_rule, l2_normalize=False), x, w_o,
+                                       w_s, seg)
+  relative = lambda a, r: max_err(a, r) / np.abs(np.asarray(r, np.float32)).max()
+  assert relative(o, o_ref) < 1e-5 and relative(s, s_ref) < 1e-5
+  for name in x:
+    assert relative(dx[name], dx_ref[name]) < 1e-5, name
+  o_twice, _, _ = run_and_grads(rule, dict(x, q=2 * x["q"]), w_o, w_s, seg)
+  assert relative(o_twice, 2 * o_ref) < 1e-5
+  unit = {n: a / np.linalg.norm(a, axis=-1, keepdims=True) if n in "qk" else a for n, a in x.items()}
+  o_unit, s_unit, _ = run_and_grads(rule, unit, w_o, w_s, seg)
+  o_norm, s_norm, _ = run_and_grads(recurrent_gated_delta_rule, x, w_o, w_s, seg)
+  assert relative(o_unit, o_norm) < 1e-5 and relative(s_unit, s_norm) < 1e-5
+
+@pytest.mark.parametrize("state_kernel", ["xla", "pallas"])
 def test_bfloat16_chunk_operands_stay_near_the_float32_recurrence(state_kernel):
   """bfloat16 operands with float32 accumulation (the XLA form's `chunk_dtype=bfloat16`; the kernel path's own
   choice for bfloat16 inputs) on bfloat16 inputs: outputs, final state and every gradient within 3e-2 of the float32
