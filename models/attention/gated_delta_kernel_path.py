@@ -104,8 +104,9 @@ def _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
 
 def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
   """The chunked form with the Pallas kernels (`gated_delta_kernels`): each chunk's T, U and W, the loop over chunks
-  and each chunk's output as kernels, the decayed keys and decays XLA's, q and k at their key heads; operands
-  bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state float32).
+  and each chunk's output as kernels (the decayed keys formed in the loop's), the chunks' decays XLA's, q and k at
+  their key heads; operands bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state
+  float32).
 
   Its VJP keeps the inputs and, with `keep_inverse`, each chunk's T (C / V of v's size: the backward then skips the
   inverse, `chunk_wy`, the forward's costliest kernel); the backward reruns the state pass for the per-chunk states
