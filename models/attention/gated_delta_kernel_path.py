@@ -38,21 +38,15 @@ class _HeadChunks(NamedTuple):
   beta_BHNC: jax.Array  # float32
 
 
-def _in_chunks(x_BS_, chunk_size):
-  """[B, S, ...] → [B, N, C, ...], right-padding S to a multiple of C (without padding, a free reshape)."""
-  x_BS_ = jnp.pad(x_BS_, [(0, 0), (0, -x_BS_.shape[1] % chunk_size)] + [(0, 0)] * (x_BS_.ndim - 2))
-  return x_BS_.reshape(x_BS_.shape[0], -1, chunk_size, *x_BS_.shape[2:])
-
-
 def _head_major(x_BS_, chunk_size):
   """[B, S, H, ...] → [B, H, N, C, ...] (one transpose), right-padding S to a multiple of C."""
-  return jnp.moveaxis(_in_chunks(x_BS_, chunk_size), 3, 1)
+  return jnp.moveaxis(gdc.to_chunks(x_BS_, chunk_size), 3, 1)
 
 
 def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize):
   """The kernels' inputs from the rule's, in XLA (the backward differentiates it)."""
   q_BSGK, k_BSGK = gdc.normalize_qk(q, k, v.shape[2], l2_normalize)
-  return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), _in_chunks(v, chunk_size),
+  return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), gdc.to_chunks(v, chunk_size),
                      jnp.cumsum(_head_major(g.astype(jnp.float32), chunk_size), axis=-1),
                      _head_major(beta.astype(jnp.float32), chunk_size))
 
@@ -68,10 +62,8 @@ class _Chunks(NamedTuple):
 
 def _chunks(x, seg_BS, chunk_size, dtype):
   masks = gdc.chunk_masks(seg_BS, chunk_size)
-  b, hk, n = x.k_BGNCK.shape[:3]
-  decay_BGRN = masks.keeps_BN[:, None, None] * jnp.exp(x.gamma_BHNC.reshape(b, hk, -1, n, chunk_size)[..., -1])
   return _Chunks(x.q_BGNCK.astype(dtype), x.k_BGNCK.astype(dtype), masks, gdc.to_chunks(seg_BS, chunk_size, "edge"),
-                 decay_BGRN.reshape(b, -1, n))
+                 masks.keeps_BN[:, None] * jnp.exp(x.gamma_BHNC[..., -1]))
 
 
 def _state_pass(x, ch, state_BHKV, t_BHNCC, dtype):
