@@ -66,6 +66,8 @@ class RuntimeConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "dispatcher_options", tuple(sorted(dict(self.dispatcher_options).items())))
+    if isinstance(self.remat, list):  # one policy a layer, as Python code writes it: stored hashable, as YAML's
+      object.__setattr__(self, "remat", tuple(self.remat))
     if self.dispatcher not in rm.DISPATCHERS:
       raise UserError(f"unknown dispatcher {self.dispatcher!r}; known: {sorted(rm.DISPATCHERS)}")
     policies = self.remat if isinstance(self.remat, tuple) else (self.remat,)

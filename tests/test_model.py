@@ -230,6 +230,12 @@ def test_bad_model_config_is_named(changes, message):
     load_config("tiny", **changes)
 
 
+def test_per_layer_remat_given_as_a_list_is_kept_as_a_tuple():
+  assert RuntimeConfig(remat=["layer", "none"]).remat == ("layer", "none")
+  with pytest.raises(ValueError, match="remat \\['everything'\\] unknown"):
+    RuntimeConfig(remat=["layer", "everything"])
+
+
 @pytest.mark.parametrize("changes,message", [
     (dict(dispatcher="ring_sideways"), "ring_sideways"),
     (dict(remat=("none",)), "remat has 1 entries"),
