@@ -332,6 +332,24 @@ def test_the_kernel_path_names_a_chunk_size_it_cannot_take():
   with pytest.raises(ValueError, match="chunk_size=48"):
     gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=48, state_kernel="pallas")
 
+@pytest.mark.parametrize("name,bad,message", [
+    ("beta", lambda x: x[:, :-1], r"beta has shape \(2, 63, 4\);.* must be \(2, 64, 4\)"),
+    ("g", lambda x: x[:, :, :2], r"g has shape \(2, 64, 2\)"),
+    ("segment_ids", lambda _: np.zeros((B, 60), np.int32), r"segment_ids has shape \(2, 60\)"),
+    ("initial_state", lambda x: x[..., :-1], r"initial_state has shape \(2, 4, 16, 15\)"),
+    ("v", lambda x: x[:, :-1], r"q and k \(2, 64, 2, 16\) and v \(2, 63, 4, 16\) differ in \[B, S\]"),
+    ("k", lambda x: x[..., :-1], r"q \(2, 64, 2, 16\) and k \(2, 64, 2, 15\) differ"),
+    ("v", lambda x: x[:, :, :3], "3 value heads are not a multiple of 2 key heads"),
+    ("chunk_size", lambda _: 0, "chunk_size=0 must be a positive integer"),
+], ids=["beta_short", "g_heads", "segment_ids_short", "state_width", "v_short", "k_width", "v_heads", "chunk_zero"])
+@pytest.mark.parametrize("rule", [gated_delta_rule, recurrent_gated_delta_rule])
+def test_inputs_that_do_not_fit_together_are_named(rule, name, bad, message):
+  """A shorter β or segment_ids would be padded silently to whole chunks; the rest would fail deep in XLA."""
+  x = make_inputs(64)
+  x[name] = bad(x.get(name))
+  with pytest.raises(ValueError, match=message):
+    rule(**x)
+
 def test_output_dtype_follows_v():
   x = {n: a.astype(jnp.bfloat16) if n in "qkv" else a for n, a in make_inputs(64).items()}
   o, s = jax.eval_shape(lambda x: gated_delta_rule(**x, output_final_state=True), x)

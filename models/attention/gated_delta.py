@@ -196,6 +196,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
   """
   if state_kernel not in STATE_KERNELS:
     raise ValueError(f"state_kernel={state_kernel!r} is not one of {STATE_KERNELS}")
+  gdc.check_inputs(q, k, v, g, beta, segment_ids, initial_state, chunk_size)
   seg_BS = gdc.segment_ids(segment_ids, v.shape[0], v.shape[1])
   state_BHKV = _initial_state(initial_state, v, k.shape[-1])
   span = None if span_tokens is None else max(chunk_size, span_tokens // chunk_size * chunk_size)
@@ -217,7 +218,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                                chunk_size=64, l2_normalize=True, output_final_state=False):
   """Token-by-token gated delta rule (the reference); arguments and returns as `gated_delta_rule`."""
-  del chunk_size
+  gdc.check_inputs(q, k, v, g, beta, segment_ids, initial_state, chunk_size)
   batch, seq_len = v.shape[:2]
   q_BSHK, k_BSHK = gdc.prepare_qk(q, k, v.shape[2], l2_normalize)
   seg_BS = gdc.segment_ids(segment_ids, batch, seq_len)

@@ -1,15 +1,18 @@
 """The gated delta rule's chunked form: the building blocks its XLA form (`gated_delta`) and its kernel path
-(`gated_delta_kernels`) share: q and k normalised, sequences cut into chunks, the documents' masks and the decays
-between chunk positions, and (I + A)⁻¹ in XLA. The math: `gated_delta`'s docstring.
+(`gated_delta_kernels`) share: the inputs checked, q and k normalised, sequences cut into chunks, the documents'
+masks and the decays between chunk positions, and (I + A)⁻¹ in XLA. The math: `gated_delta`'s docstring.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
 
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from relaymoe_jax.errors import UserError
 
 # Matching float32 references needs full float32 matmuls; DEFAULT precision may use TF32 on GPUs.
 PRECISION = lax.Precision.HIGHEST
@@ -20,14 +23,37 @@ def einsum(spec, *operands):
   return jnp.einsum(spec, *operands, precision=PRECISION)
 
 
+def check_inputs(q, k, v, g, beta, segment_ids, initial_state, chunk_size):
+  """Refuses, naming the value, inputs whose shapes do not fit together (a shorter β or segment_ids would otherwise
+  be padded silently, a wrong g fail deep inside)."""
+  if not (isinstance(chunk_size, numbers.Integral) and chunk_size > 0):
+    raise UserError(f"chunk_size={chunk_size!r} must be a positive integer")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise UserError(f"{name} has shape {x.shape}; the rule takes [B, S, heads, head_dim]")
+  if q.shape != k.shape:
+    raise UserError(f"q {q.shape} and k {k.shape} differ; both are [B, S, Hk, K]")
+  batch, seq_len, num_v_heads, value_dim = v.shape
+  if q.shape[:2] != (batch, seq_len):
+    raise UserError(f"q and k {q.shape} and v {v.shape} differ in [B, S]")
+  if num_v_heads % k.shape[2]:
+    raise UserError(f"{num_v_heads} value heads are not a multiple of {k.shape[2]} key heads")
+  per_head = (batch, seq_len, num_v_heads)
+  expected = {"g": (g, per_head), "beta": (beta, per_head),
+              "segment_ids": (segment_ids, (batch, seq_len)),
+              "initial_state": (initial_state, (batch, num_v_heads, k.shape[3], value_dim))}
+  for name, (x, shape) in expected.items():
+    if x is not None and tuple(jnp.shape(x)) != shape:
+      raise UserError(f"{name} has shape {tuple(jnp.shape(x))}; with q, k {q.shape} and v {v.shape} it must be "
+                      f"{shape}")
+
+
 def _l2_normalize(x_BSHK):
   return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
 
 
-def normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
-  """float32, optional L2 norm, q scaled by K^-1/2; the key heads' count checked against the value heads'."""
-  if num_v_heads % k_BSGK.shape[2]:
-    raise ValueError(f"{num_v_heads} value heads are not a multiple of {k_BSGK.shape[2]} key heads")
+def normalize_qk(q_BSGK, k_BSGK, l2_normalize):
+  """float32, optional L2 norm, q scaled by K^-1/2."""
   q_BSGK, k_BSGK = q_BSGK.astype(jnp.float32), k_BSGK.astype(jnp.float32)
   if l2_normalize:
     q_BSGK, k_BSGK = _l2_normalize(q_BSGK), _l2_normalize(k_BSGK)
@@ -35,8 +61,8 @@ def normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
 
 
 def prepare_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize):
-  """`_normalize_qk`, key heads repeated to value heads."""
-  q_BSGK, k_BSGK = normalize_qk(q_BSGK, k_BSGK, num_v_heads, l2_normalize)
+  """`normalize_qk`, key heads repeated to value heads."""
+  q_BSGK, k_BSGK = normalize_qk(q_BSGK, k_BSGK, l2_normalize)
   repeats = num_v_heads // k_BSGK.shape[2]
   return jnp.repeat(q_BSGK, repeats, axis=2), jnp.repeat(k_BSGK, repeats, axis=2)
 

@@ -45,7 +45,7 @@ def _head_major(x_BS_, chunk_size):
 
 def _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize):
   """The kernels' inputs from the rule's, in XLA (the backward differentiates it)."""
-  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, v.shape[2], l2_normalize)
+  q_BSGK, k_BSGK = gdc.normalize_qk(q, k, l2_normalize)
   return _HeadChunks(_head_major(q_BSGK, chunk_size), _head_major(k_BSGK, chunk_size), gdc.to_chunks(v, chunk_size),
                      jnp.cumsum(_head_major(g.astype(jnp.float32), chunk_size), axis=-1),
                      _head_major(beta.astype(jnp.float32), chunk_size))
