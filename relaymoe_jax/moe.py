@@ -34,6 +34,7 @@ DISPATCHERS = {
     "all_to_all": AllToAll,
     "dense": Dense,
 }
+RINGS = ("ring_expert", "ring_token", "auto")  # the dispatchers that run the ring (`auto` picks one of the two)
 
 
 # (dispatcher or None, calls): set by `every_call_dispatched_by` while a whole block is checked against the oracle.

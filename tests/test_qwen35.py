@@ -20,6 +20,7 @@ import relaymoe_jax.testing as rmt
 from models import families
 from models.config import read_hf_config
 from models.hf import transfer as hf
+from models.qwen3.model import MoE
 from models.qwen35 import deltanet as qwen35_deltanet
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
@@ -118,6 +119,31 @@ def test_layers_in_spans_give_transformers_logits(monkeypatch, kernel):
   tokens, expected = _reference(100)
   logits = nnx.jit(lambda model, tokens: model(tokens))(_loaded(sequence_span_tokens=24), tokens)  # traced afresh
   assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
+
+
+def _loss_and_grads(model, tokens):
+  graphdef, params = nnx.split(model)
+
+  def loss(params):
+    return nnx.merge(graphdef, params).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])[0]
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(nnx.to_pure_dict(params))
+  return float(value), grads
+
+
+def test_the_rings_shared_expert_in_spans_trains_as_dense_on_whole_rows():
+  """Under a ring, rows in spans run the shared expert outside `moe_ffn`, one span at a time (`MoE`): loss and every
+  gradient (the shared expert's and its gate's among them) as the dense dispatcher's, whose shared expert runs in
+  `moe_ffn` on whole rows, with the same spans elsewhere (the DeltaNet's decay gradients, a sum over every position,
+  move by 5e-3 with the spans alone; a ring's rounding moves them by 1e-4)."""
+  tokens = _random_tokens(101)
+  spanned = _random(dispatcher="ring_expert", sequence_span_tokens=24)
+  moe = next(node for _, node in nnx.iter_graph(spanned) if isinstance(node, MoE))
+  assert moe._shared_expert_spans(100).count == 5
+  loss, grads = _loss_and_grads(spanned, tokens)
+  loss_ref, grads_ref = _loss_and_grads(_random(sequence_span_tokens=24), tokens)
+  assert abs(loss - loss_ref) <= 1e-6 * loss_ref, (loss, loss_ref)
+  rmt.assert_trees_close(grads, grads_ref, 1e-3)
 
 
 def test_unscanned_layers_give_transformers_logits():
@@ -267,11 +293,12 @@ def _gpu_gradients(dispatcher, span_tokens=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dispatcher, span_tokens", [("ring_expert", 0), ("all_to_all", 128)])
+@pytest.mark.parametrize("dispatcher, span_tokens", [("ring_expert", 128), ("all_to_all", 0)])
 def test_on_a_gpu_each_dispatcher_trains_qwen35_as_dense(dispatcher, span_tokens):
   """Loss within 1e-5 and every parameter's gradient within 2e-3 (max |a − b| / max |b|) of the dense dispatcher's
-  on whole rows (on CPU: 3.6e-4; two swapped experts move a leaf by O(1)); the all-to-all's rows in 4 spans of 128
-  (`models.spans`: the scan, the state and the conv's history carried across spans, on the GPU's kernels)."""
+  on whole rows (on CPU: 3.6e-4; two swapped experts move a leaf by O(1)); the ring's rows in 4 spans of 128
+  (`models.spans`: the scan, the state and the conv's history carried across spans, on the GPU's kernels, and the
+  ring's shared expert one span at a time)."""
   loss, grads = _gpu_gradients(dispatcher, span_tokens)
   loss_ref, grads_ref = _gpu_gradients("dense")
   assert np.isfinite(loss) and abs(loss - loss_ref) <= 1e-5 * loss_ref, (loss, loss_ref)

@@ -28,11 +28,13 @@ from models.inputs import check_rows, checked_inputs, embed
 from models.loss import chunked_cross_entropy, mean_cross_entropy, plain_mean_cross_entropy
 from models.qwen3.config import Qwen3MoEConfig, layer_groups
 from models.runtime import RuntimeConfig
+from models.spans import Spans
 from models.remat import offloaded, remat_policy
 from models.router_state import bias_value, router_bias, router_losses
 from models.sharding import (TOKEN_AXES, activation_spec, batch_axes, make_param, model_mesh, runs_on_model_mesh,
                              sequence_axis)
 from relaymoe_jax.axes import EXPERT, TENSOR
+from relaymoe_jax.moe import RINGS
 
 
 class Layer(nnx.Module):
@@ -175,8 +177,9 @@ class MoE(Layer):
     with jax.named_scope("router"):
       idx_TK, w_TK, aux = rm.route(x_TD, self.cast(self.router_DE), top_k=c.num_experts_per_tok,
                                    norm_topk_prob=c.norm_topk_prob, bias_E=bias_value(self.router_bias_E))
+    spans = self._shared_expert_spans(s)
     shared = {}
-    if c.shared_expert_intermediate_size:
+    if c.shared_expert_intermediate_size and not spans:
       shared = dict(shared=(self.cast(self.shared_gate_DF), self.cast(self.shared_up_DF),
                             self.cast(self.shared_down_FD)), shared_gate_D1=self.cast(self.shared_gate_D1))
     y_TD, stats = rm.moe_ffn(x_TD, idx_TK, w_TK, self.cast(self.w_gate_EDF), self.cast(self.w_up_EDF),
@@ -184,7 +187,28 @@ class MoE(Layer):
                              token_axes=TOKEN_AXES, tensor_axis=TENSOR if run.moe_tensor_parallel else None,
                              return_stats=True, out_sharding=P(TOKEN_AXES), **shared, **dict(run.dispatcher_options))
     y_BSD = unflatten_tokens(y_TD, b, s, self.mesh) if run.context_parallel else y_TD.reshape(b, s, d)
+    if spans:
+      y_BSD = y_BSD + self._shared_expert_in_spans(x_BSD, spans)
     return y_BSD, rm.MoEAux(router=aux, dropped_pairs=stats.dropped_pairs)
+
+  def _shared_expert_spans(self, seq_len):
+    """The spans the shared expert runs in outside `moe_ffn`, or None: where rows run in spans and a ring dispatches
+    (not under context parallelism). Its backward's float32 gradients and input gradients are then a span's, not the
+    row's: compile-only for one H200, the Qwen3.5 slice's ring step at 1,163,264 tokens went from 131.57 to 117.23
+    GiB. Not for the all-to-all, whose top-k-expanded buffers hold its peak: beside them the spans' backward added
+    6.05 GiB at 507,904 tokens."""
+    run = self.runtime
+    if not self.config.shared_expert_intermediate_size or run.context_parallel or run.dispatcher not in RINGS:
+      return None
+    spans = Spans.of_run(seq_len, run, self.mesh)
+    return spans if spans.count > 1 else None
+
+  def _shared_expert_in_spans(self, x_BSD, spans):
+    d = x_BSD.shape[-1]
+    ws = [spans.whole(self.cast(w), self.mesh)
+          for w in (self.shared_gate_DF, self.shared_up_DF, self.shared_down_FD, self.shared_gate_D1)]
+    body = lambda _, x: (None, rm.shared_expert(x.reshape(-1, d), *ws).reshape(x.shape))
+    return spans.join(spans.scan(body, None, spans.split(x_BSD))[1])
 
 
 class DecoderLayer(Layer):

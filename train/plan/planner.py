@@ -28,6 +28,7 @@ import jax
 from models import families
 from models.spans import Spans
 from relaymoe_jax.axes import EXPERT
+from relaymoe_jax.moe import RINGS
 from relaymoe_jax.ring.chunks import default_chunk_rows
 from relaymoe_jax.errors import UserError
 from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
@@ -48,7 +49,6 @@ FRUGAL_CHUNK_ROWS = 131072
 # spanned parts' temporaries are a span's. Qwen3.5-35B-A3B's 40 layers over 8 H200s fit 4,194,304 tokens at 16384,
 # not at 32768 (docs/memory.md).
 FRUGAL_SPAN_TOKENS = 16384
-RINGS = ("ring_expert", "ring_token", "auto")
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
 FRUGAL_FIRST = ("offload", "layer", "all_but_attention", "attention", "none")
 
