@@ -76,6 +76,10 @@ class Spans:
     """A weight used in every span whole on every device (gathered once, not once a span, where it is split)."""
     return w if self.count == 1 else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
 
+  def map(self, f, *xs_BS):
+    """`f` over the spans of [B, S, ...] inputs, a span at a time (each rematerialised): its [B, S, ...] output."""
+    return self.join(self.scan(lambda _, xs: (None, f(*xs)), None, tuple(self.split(x) for x in xs_BS))[1])
+
   def scan(self, body, carry, xs):
     """`lax.scan(body, carry, xs)` over the spans, each step rematerialised (`models.span_scan`); one span: one plain
     call."""

@@ -20,7 +20,7 @@ import relaymoe_jax.testing as rmt
 from models import families
 from models.config import read_hf_config
 from models.hf import transfer as hf
-from models.qwen3.model import MoE
+from models.qwen3.mlp import MoE
 from models.qwen35 import deltanet as qwen35_deltanet
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig

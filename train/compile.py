@@ -12,7 +12,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import relaymoe_jax as rm
-from models import families
 from models.runtime import RuntimeConfig
 from models.sharding import batch_spec
 from relaymoe_jax.kernels import mosaic_gpu

@@ -29,7 +29,7 @@ from models.attention.context_parallel import splits_sequences
 from models.attention.gated_delta import gated_delta_rule, widened_values
 from models.attention.gated_delta_context import (context_gated_delta_rule, entering_states, on_row_shards,
                                                   preceding_rows)
-from models.qwen3 import model as qwen3
+from models.qwen3.layer import Layer
 from models.sharding import batch_axes, make_param
 from models.spans import Spans
 from relaymoe_jax.axes import DATA, EXPERT
@@ -79,7 +79,7 @@ def delta_rule(runtime, mesh):
                            spec=P(batch_axes(runtime)))
 
 
-class GatedDeltaNet(qwen3.Layer):
+class GatedDeltaNet(Layer):
   """Linear attention by the gated delta rule (`Qwen3_5MoeGatedDeltaNet`), documents restarting its state."""
 
   def __init__(self, config, runtime, mesh, rngs):

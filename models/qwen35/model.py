@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen3 import model as qwen3
+from models.qwen3.layer import Layer
+from models.qwen3.mlp import MoE
 from models.qwen35.config import FULL
 from models.qwen35.deltanet import GatedDeltaNet
 from models.runtime import RuntimeConfig
@@ -31,7 +33,7 @@ def zero_centred_rms_norm(x, weight, eps):
   return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-class RMSNorm(qwen3.Layer):
+class RMSNorm(Layer):
 
   def __init__(self, config, runtime, dim, mesh, rngs, role="norm_D"):
     super().__init__(config, runtime)
@@ -42,7 +44,7 @@ class RMSNorm(qwen3.Layer):
       return zero_centred_rms_norm(x, self.weight[...], self.config.rms_norm_eps)
 
 
-class GatedAttention(qwen3.Layer):
+class GatedAttention(Layer):
   """Full attention with a sigmoid output gate and partial RoPE (`Qwen3_5MoeAttention`)."""
 
   def __init__(self, config, runtime, mesh, rngs):
@@ -73,9 +75,7 @@ class GatedAttention(qwen3.Layer):
       q, k = partial_rope(q, positions_BS, c), partial_rope(k, positions_BS, c)
     out_BSQZ = qwen3.attend_heads(q, k, v, c.head_dim ** -0.5, self.runtime, self.mesh, segment_ids_BS)
     w_gate, w_out = (spans.whole(w, self.mesh) for w in (q_gate_DQ2Z[:, :, 1].reshape(d, -1), self.cast(self.o_HD)))
-    _, y_PBNTD = spans.scan(lambda _, xs: (None, gated_output(*xs, w_gate, w_out)), None,
-                            (spans.split(x_BSD), spans.split(out_BSQZ)))
-    return spans.join(y_PBNTD)
+    return spans.map(lambda x, out: gated_output(x, out, w_gate, w_out), x_BSD, out_BSQZ)
 
 
 def gated_output(x, out, w_gate, w_out):
@@ -98,13 +98,13 @@ class DecoderLayer(qwen3.DecoderLayer):
   """A Qwen3.5 layer: its mixer (`attn`, gated attention or Gated DeltaNet by `layer_types`), then the MoE."""
 
   def __init__(self, config, runtime, layer, mesh, rngs):  # Qwen3's __init__ would build Qwen3's parts
-    qwen3.Layer.__init__(self, config, runtime)
+    Layer.__init__(self, config, runtime)
     self.layer = layer
     self.input_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
     mixer = GatedAttention if config.layer_types[layer] == FULL else GatedDeltaNet
     self.attn = mixer(config, runtime, mesh, rngs)
     self.post_attention_norm = RMSNorm(config, runtime, config.hidden_size, mesh, rngs)
-    self.mlp = qwen3.MoE(config, runtime, mesh, rngs)
+    self.mlp = MoE(config, runtime, mesh, rngs)
 
 
 class LayerBlock(nnx.Module):
