@@ -131,7 +131,7 @@ def _loss_and_grads(model, tokens):
   return float(value), grads
 
 
-def test_the_rings_shared_expert_in_spans_trains_as_dense_on_whole_rows():
+def test_the_rings_shared_expert_in_spans_trains_as_dense():
   """Under a ring, rows in spans run the shared expert outside `moe_ffn`, one span at a time (`MoE`): loss and every
   gradient (the shared expert's and its gate's among them) as the dense dispatcher's, whose shared expert runs in
   `moe_ffn` on whole rows, with the same spans elsewhere (the DeltaNet's decay gradients, a sum over every position,
