@@ -10,6 +10,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,6 +25,7 @@ from models.qwen3.mlp import MoE
 from models.qwen35 import deltanet as qwen35_deltanet
 from models.qwen35.config import FULL, LINEAR, layer_groups
 from models.runtime import RuntimeConfig
+from models.spans import Spans
 from relaymoe_jax.errors import UserError
 from train.config import EvalConfig, MeshConfig, load_run_config
 from train.loop import run
@@ -121,29 +123,33 @@ def test_layers_in_spans_give_transformers_logits(monkeypatch, kernel):
   assert np.abs(np.asarray(logits) - expected).max() <= LOGITS_ATOL
 
 
-def _loss_and_grads(model, tokens):
-  graphdef, params = nnx.split(model)
+@functools.cache
+def _moe_gradients(**runtime):
+  """(loss, gradients of x and every parameter) of one Qwen3.5 MoE layer on random rows of 40 positions."""
+  rng = np.random.default_rng(0)
+  config = families.load_config("qwen3.5-tiny")
+  x, r = (jnp.asarray(rng.standard_normal((ROWS, 40, config.hidden_size)), jnp.float32) for _ in range(2))
+  graphdef, params, rest = nnx.split(MoE(config, RuntimeConfig(dtype="float32", **runtime), trainer_mesh(),
+                                         nnx.Rngs(0)), nnx.Param, ...)
 
-  def loss(params):
-    return nnx.merge(graphdef, params).mean_cross_entropy_and_aux(tokens[:, :-1], tokens[:, 1:])[0]
+  def loss(params, x):
+    return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0] * r)
 
-  value, grads = jax.jit(jax.value_and_grad(loss))(nnx.to_pure_dict(params))
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
   return float(value), grads
 
 
 def test_the_rings_shared_expert_in_spans_trains_as_dense():
-  """Under a ring, rows in spans run the shared expert outside `moe_ffn`, one span at a time (`MoE`): loss and every
-  gradient (the shared expert's and its gate's among them) as the dense dispatcher's, whose shared expert runs in
-  `moe_ffn` on whole rows, with the same spans elsewhere (the DeltaNet's decay gradients, a sum over every position,
-  move by 5e-3 with the spans alone; a ring's rounding moves them by 1e-4)."""
-  tokens = _random_tokens(101)
-  spanned = _random(dispatcher="ring_expert", sequence_span_tokens=24)
-  moe = next(node for _, node in nnx.iter_graph(spanned) if isinstance(node, MoE))
-  assert moe._shared_expert_spans(100).count == 5
-  loss, grads = _loss_and_grads(spanned, tokens)
-  loss_ref, grads_ref = _loss_and_grads(_random(sequence_span_tokens=24), tokens)
-  assert abs(loss - loss_ref) <= 1e-6 * loss_ref, (loss, loss_ref)
-  rmt.assert_trees_close(grads, grads_ref, 1e-3)
+  """Under a ring, rows in spans run the shared expert outside `moe_ffn`, a span at a time (`MoE`): loss and the
+  gradients of x and of every parameter (the shared expert's and its gate's among them) as the dense dispatcher's,
+  whose shared expert runs in `moe_ffn` on whole rows."""
+  moe = MoE(families.load_config("qwen3.5-tiny"), RuntimeConfig(dispatcher="ring_expert", sequence_span_tokens=16),
+            trainer_mesh(), nnx.Rngs(0))
+  assert moe._shared_expert_spans(40) == Spans(chunks=1, chunk=40, count=3, length=16)  # the last one padded
+  loss, grads = _moe_gradients(dispatcher="ring_expert", sequence_span_tokens=16)
+  loss_ref, grads_ref = _moe_gradients(dispatcher="dense")
+  assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref), (loss, loss_ref)
+  rmt.assert_trees_close(grads, grads_ref, 1e-5)
 
 
 def test_unscanned_layers_give_transformers_logits():
