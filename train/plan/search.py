@@ -13,6 +13,7 @@ from models.attention.cudnn import checks_see
 from models.sharding import batch_shards
 from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.errors import MissingInput, UserError
+from relaymoe_jax.moe import RINGS
 from train.metrics import size
 from train.plan.planner import make_planner
 
@@ -28,7 +29,7 @@ def variant_config(run_config, name):
     raise UserError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
   runtime = run_config.runtime
   if VARIANTS[name] is None:
-    ring = runtime.dispatcher if runtime.dispatcher.startswith(("ring", "auto")) else "ring_expert"
+    ring = runtime.dispatcher if runtime.dispatcher in RINGS else "ring_expert"
     return dataclasses.replace(run_config, runtime=dataclasses.replace(runtime, dispatcher=ring))
   backend = {k: v for k, v in runtime.dispatcher_options if k == "backend"}
   return dataclasses.replace(run_config, runtime=dataclasses.replace(
