@@ -77,18 +77,20 @@ def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_siz
 
 
 def _scan_chunks(chunks, state_BHKV):
-  """Carries the state across chunks; returns (o [B, N·C, H, V], final state)."""
+  """Carries the state across chunks; returns (o [B, N·C, H, V], final state). The loop does only what needs the
+  state it carries (V_new and the next state); the output reads each chunk's entering state afterwards, one batched
+  matmul over all chunks (as fla's kernels split it): half the loop's matmuls and operand slices."""
 
   def step(state_BHKV, chunk):  # one chunk: the fields lose their N axis
-    vnew_BHCV = chunk.u_BNHCV - gdc.einsum("bhck,bhkv->bhcv", chunk.w_BNHCK, state_BHKV)
-    o_BHCV = (gdc.einsum("bhck,bhkv->bhcv", chunk.qd_BNHCK, state_BHKV)
-              + gdc.einsum("bhrs,bhsv->bhrv", chunk.p_BNHCC, vnew_BHCV))
-    state_BHKV = (chunk.decay_BNH[..., None, None] * state_BHKV
-                  + gdc.einsum("bhck,bhcv->bhkv", chunk.kd_BNHCK, vnew_BHCV))
-    return state_BHKV, o_BHCV
+    u_BHCV, w_BHCK, kd_BHCK, decay_BH = chunk
+    vnew_BHCV = u_BHCV - gdc.einsum("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
+    next_BHKV = decay_BH[..., None, None] * state_BHKV + gdc.einsum("bhck,bhcv->bhkv", kd_BHCK, vnew_BHCV)
+    return next_BHKV, (state_BHKV, vnew_BHCV)
 
-  chunks_N = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
-  state_BHKV, o_NBHCV = lax.scan(step, state_BHKV, chunks_N)
+  xs_N = [jnp.moveaxis(x, 1, 0) for x in (chunks.u_BNHCV, chunks.w_BNHCK, chunks.kd_BNHCK, chunks.decay_BNH)]
+  state_BHKV, (states_NBHKV, vnew_NBHCV) = lax.scan(step, state_BHKV, xs_N)
+  o_NBHCV = (gdc.einsum("nbhck,nbhkv->nbhcv", jnp.moveaxis(chunks.qd_BNHCK, 1, 0), states_NBHKV)
+             + gdc.einsum("nbhrs,nbhsv->nbhrv", jnp.moveaxis(chunks.p_BNHCC, 1, 0), vnew_NBHCV))
   o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 2), (1, 3))
   return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
 
