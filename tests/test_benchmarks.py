@@ -398,7 +398,8 @@ def test_cp_attention_times_the_tile_loop_and_writes_its_summary(tmp_path):
   cp_attention.main(["--tokens", "256", "--variants", "xla_tiles", "--mean-doc", "32", "--iters", "1", "--out",
                      str(out)])
   (row,) = json.loads(out.read_text())["rows"]
-  assert row["variant"] == "xla_tiles" and 0 < row["fwd_ms"] < row["fwd_bwd_ms"]
+  # Times only positive: at 256 tokens on a loaded CPU the forward alone has measured longer than both passes.
+  assert row["variant"] == "xla_tiles" and row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
   assert row["most_documents_in_a_row"] > 1
   assert out.with_suffix(".txt").read_text().splitlines()[-1] == (
       f"summary: cp_attention gpu=cpu tokens=256 xla_tiles_tflops={row['fwd_bwd_tflops']:.0f}")
