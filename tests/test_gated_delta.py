@@ -97,6 +97,21 @@ def test_matches_recurrent_with_gradients(documents):
   for name in x:
     assert max_err(dx[name], dx_ref[name]) < 1e-5, name
 
+def test_the_xla_forms_loop_over_chunks_has_autodiffs_gradients():
+  """`_state_loop`'s written-out VJP (two matmuls a chunk backwards) against autodiff of the same loop, float32."""
+  rng = np.random.default_rng(3)
+  n, b, h, c, k, v = 5, 2, 3, 4, 6, 7
+  rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  args = (rand(n, b, h, c, v), rand(n, b, h, c, k), rand(n, b, h, c, k),
+          jnp.asarray(rng.uniform(0.5, 1.0, (n, b, h)), jnp.float32), rand(b, h, k, v))
+  cotangents = (rand(n, b, h, k, v), rand(n, b, h, c, v), rand(b, h, k, v))
+  with jax.default_matmul_precision("highest"):
+    ours = jax.vjp(gd._state_loop, *args)[1](cotangents)
+    autodiff = jax.vjp(lambda *a: gd._state_loop_fwd(*a)[0], *args)[1](cotangents)
+  for name, a, r in zip(("u", "w", "kd", "decay", "state"), ours, autodiff):
+    np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()), err_msg=name)
+
+
 @pytest.mark.parametrize("documents", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   """The kernel path (the forward's three kernels and the backward's five, in Pallas' interpreter here; `pytest -m

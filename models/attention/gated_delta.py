@@ -78,21 +78,58 @@ def _chunk_quantities(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, seg_BS, chunk_siz
 
 def _scan_chunks(chunks, state_BHKV):
   """Carries the state across chunks; returns (o [B, N·C, H, V], final state). The loop does only what needs the
-  state it carries (V_new and the next state); the output reads each chunk's entering state afterwards, one batched
-  matmul over all chunks (as fla's kernels split it): half the loop's matmuls and operand slices."""
+  state it carries (V_new and the next state, `_state_loop`); the output reads each chunk's entering state
+  afterwards, one batched matmul over all chunks (as fla's kernels split it)."""
+  to_N = lambda x: jnp.moveaxis(x, 1, 0)
+  states_NBHKV, vnew_NBHCV, state_BHKV = _state_loop(
+      *(to_N(x) for x in (chunks.u_BNHCV, chunks.w_BNHCK, chunks.kd_BNHCK, chunks.decay_BNH)), state_BHKV)
+  o_NBHCV = (gdc.einsum("nbhck,nbhkv->nbhcv", to_N(chunks.qd_BNHCK), states_NBHKV)
+             + gdc.einsum("nbhrs,nbhsv->nbhrv", to_N(chunks.p_BNHCC), vnew_NBHCV))
+  o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 2), (1, 3))
+  return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
 
-  def step(state_BHKV, chunk):  # one chunk: the fields lose their N axis
+
+@jax.custom_vjp
+def _state_loop(u_NBHCV, w_NBHCK, kd_NBHCK, decay_NBH, state_BHKV):
+  """(each chunk's entering state S_n [N, B, H, K, V], V_new = U − W S_n [N, B, H, C, V], the final state), with
+  S ← decay S + Kdᵀ V_new. Its VJP is written out: autodiff's reverse loop transposes four matmuls a chunk and keeps
+  its own stack of the states beside the one returned; this one runs two (`_state_loop_bwd`)."""
+  return _state_loop_fwd(u_NBHCV, w_NBHCK, kd_NBHCK, decay_NBH, state_BHKV)[0]
+
+
+def _state_loop_fwd(u_NBHCV, w_NBHCK, kd_NBHCK, decay_NBH, state_BHKV):
+  def step(state_BHKV, chunk):
     u_BHCV, w_BHCK, kd_BHCK, decay_BH = chunk
     vnew_BHCV = u_BHCV - gdc.einsum("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
     next_BHKV = decay_BH[..., None, None] * state_BHKV + gdc.einsum("bhck,bhcv->bhkv", kd_BHCK, vnew_BHCV)
     return next_BHKV, (state_BHKV, vnew_BHCV)
 
-  xs_N = [jnp.moveaxis(x, 1, 0) for x in (chunks.u_BNHCV, chunks.w_BNHCK, chunks.kd_BNHCK, chunks.decay_BNH)]
-  state_BHKV, (states_NBHKV, vnew_NBHCV) = lax.scan(step, state_BHKV, xs_N)
-  o_NBHCV = (gdc.einsum("nbhck,nbhkv->nbhcv", jnp.moveaxis(chunks.qd_BNHCK, 1, 0), states_NBHKV)
-             + gdc.einsum("nbhrs,nbhsv->nbhrv", jnp.moveaxis(chunks.p_BNHCC, 1, 0), vnew_NBHCV))
-  o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 2), (1, 3))
-  return o_BNCHV.reshape(o_BNCHV.shape[0], -1, *o_BNCHV.shape[3:]), state_BHKV
+  final_BHKV, (states_NBHKV, vnew_NBHCV) = lax.scan(step, state_BHKV, (u_NBHCV, w_NBHCK, kd_NBHCK, decay_NBH))
+  return (states_NBHKV, vnew_NBHCV, final_BHKV), (w_NBHCK, kd_NBHCK, decay_NBH, states_NBHKV, vnew_NBHCV)
+
+
+def _state_loop_bwd(residuals, cotangents):
+  """Backwards over chunks with G = ∂L/∂S_{n+1}: ∂V_new_n = dV_new_n + Kd_n G, ∂S_n = decay_n G + dS_n − W_nᵀ ∂V_new_n;
+  the rest batched after the loop: ∂U = ∂V_new, ∂W = −∂V_new S_nᵀ, ∂Kd = V_new Gᵀ, ∂decay = Σ G ⊙ S_n."""
+  w_NBHCK, kd_NBHCK, decay_NBH, states_NBHKV, vnew_NBHCV = residuals
+  dstates_NBHKV, dvnew_NBHCV, dfinal_BHKV = cotangents
+
+  def step(g_BHKV, chunk):
+    dvnew_BHCV, dstate_BHKV, w_BHCK, kd_BHCK, decay_BH = chunk
+    dvnew_BHCV = dvnew_BHCV + gdc.einsum("bhck,bhkv->bhcv", kd_BHCK, g_BHKV)
+    entering_BHKV = (decay_BH[..., None, None] * g_BHKV + dstate_BHKV
+                     - gdc.einsum("bhck,bhcv->bhkv", w_BHCK, dvnew_BHCV))
+    return entering_BHKV, (dvnew_BHCV, g_BHKV)
+
+  dstate_BHKV, (dvnew_NBHCV, g_NBHKV) = lax.scan(
+      step, dfinal_BHKV, (dvnew_NBHCV, dstates_NBHKV, w_NBHCK, kd_NBHCK, decay_NBH), reverse=True)
+  dw_NBHCK = -gdc.einsum("nbhcv,nbhkv->nbhck", dvnew_NBHCV, states_NBHKV)
+  dkd_NBHCK = gdc.einsum("nbhcv,nbhkv->nbhck", vnew_NBHCV, g_NBHKV)
+  ddecay_NBH = jnp.sum(g_NBHKV * states_NBHKV, axis=(-2, -1))
+  return dvnew_NBHCV, dw_NBHCK, dkd_NBHCK, ddecay_NBH, dstate_BHKV
+
+
+_state_loop.defvjp(_state_loop_fwd, _state_loop_bwd)
 
 
 STATE_KERNELS = ("xla", "pallas")
