@@ -97,6 +97,7 @@ def test_matches_recurrent_with_gradients(documents):
   for name in x:
     assert max_err(dx[name], dx_ref[name]) < 1e-5, name
 
+
 def test_the_xla_forms_loop_over_chunks_has_autodiffs_gradients():
   """`_state_loop`'s written-out VJP (two matmuls a chunk backwards) against autodiff of the same loop, float32."""
   rng = np.random.default_rng(3)
