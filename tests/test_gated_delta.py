@@ -102,7 +102,7 @@ def test_the_xla_forms_loop_over_chunks_has_autodiffs_gradients():
   """`_state_loop`'s written-out VJP (two matmuls a chunk backwards) against autodiff of the same loop, float32."""
   rng = np.random.default_rng(3)
   n, b, h, c, k, v = 5, 2, 3, 4, 6, 7
-  rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
   args = (rand(n, b, h, c, v), rand(n, b, h, c, k), rand(n, b, h, c, k),
           jnp.asarray(rng.uniform(0.5, 1.0, (n, b, h)), jnp.float32), rand(b, h, k, v))
   cotangents = (rand(n, b, h, k, v), rand(n, b, h, c, v), rand(b, h, k, v))
