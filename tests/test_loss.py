@@ -7,6 +7,8 @@ import dataclasses
 import io
 import math
 import re
+import threading
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ from models.qwen3.config import load_config
 from models.runtime import DEFAULT_LOSS_CHUNK_TOKENS, REMAT_POLICIES, RuntimeConfig
 from train.compile import memory_plan
 from train.config import MeshConfig, RunConfig, load_run_config
+from train.plan import loss_chunk
 from train.plan.loss_chunk import SAME_BYTES, candidates, resolve_loss_chunk, widest, with_loss_chunk
 from train.mesh import build_mesh
 
@@ -328,22 +331,55 @@ def test_offload_on_a_gpu_moves_the_layer_inputs_to_the_host_and_changes_nothing
     assert_close(g, r, 1e-5, jax.tree_util.keystr(path))
 
 
-def test_the_widest_loss_chunk_is_the_largest_that_needs_no_more_memory():
-  """A binary search over the candidates (bytes grow with the chunk): the largest within the default's bytes (and
-  the few bytes a compile may differ by), asking about as few chunks as it needs."""
-  chunks = [2048, 4096, 8192, 16384, 32768, 65536]
-  bytes_at = {1024: 100, 2048: 100, 4096: 100 + SAME_BYTES, 8192: 100 + SAME_BYTES + 1, 16384: 300, 32768: 400,
-              65536: 500}
+CHUNKS = [2048, 4096, 8192, 16384, 32768, 65536]
+BYTES_AT = {1024: 100, 2048: 100, 4096: 100 + SAME_BYTES, 8192: 100 + SAME_BYTES + 1, 16384: 3 * SAME_BYTES,
+            32768: 4 * SAME_BYTES, 65536: 5 * SAME_BYTES}
+
+
+@pytest.mark.parametrize("workers,rounds", [(1, 3), (2, 2), (6, 1)])
+def test_the_widest_loss_chunk_is_the_largest_that_needs_no_more_memory(workers, rounds):
+  """A search over the candidates (bytes grow with the chunk) in rounds of `workers` chunks at once: the largest
+  within the default's bytes (and the few bytes a compile may differ by), in as few rounds as a search of that width
+  needs, and told which chunk is the largest still in question (the one to compile to run)."""
   asked = []
 
-  def bytes_of(chunk):
-    asked.append(chunk)
-    return bytes_at[chunk]
+  def bytes_of(chunk, last):
+    asked.append((chunk, last))
+    return BYTES_AT[chunk]
 
-  assert widest(bytes_at[1024], chunks, bytes_of) == 4096
-  assert len(asked) <= 3, asked
-  assert widest(100, chunks, lambda chunk: 100) == 65536
-  assert widest(100, chunks, lambda chunk: 10**9) == DEFAULT_LOSS_CHUNK_TOKENS
+  with unittest.mock.patch("train.plan.loss_chunk.at_once", side_effect=lambda calls, w: [c() for c in calls]) as at:
+    assert widest(BYTES_AT[1024], CHUNKS, bytes_of, workers) == 4096
+  assert at.call_count == rounds and all(len(call.args[0]) <= workers for call in at.call_args_list), asked
+  # `last` marks the chunk asked about that was the largest not yet excluded: in one round the largest candidate.
+  assert [chunk for chunk, last in asked if last] == {1: [4096], 2: [8192], 6: [65536]}[workers], asked
+  assert widest(100, CHUNKS, lambda chunk, last: 100, workers) == 65536
+  assert widest(100, CHUNKS, lambda chunk, last: 10**9, workers) == DEFAULT_LOSS_CHUNK_TOKENS
+  assert widest(100, CHUNKS, lambda chunk, last: 100 + (chunk > 16384) * 10**9, workers) == 16384
+
+
+def test_the_loss_chunk_search_runs_the_step_it_compiled_to_run(monkeypatch):
+  """With three candidates and three compiles at once on a GPU: one round, in threads, the largest compiled to run
+  (the others for memory only); where it fits the trainer gets that step, where it does not, none (compiled later)."""
+  run = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=16, seq_len=4096)
+  assert candidates(run) == [2048, 4096, 8192]
+  compiled = []
+
+  def compile_step(config, devices=None, memory_only=False, **resolved):
+    compiled.append((config.runtime.loss_chunk_tokens, memory_only, threading.current_thread().name))
+    return config.runtime.loss_chunk_tokens, memory_only
+
+  for name, value in (("compile_step", compile_step), ("concurrent_compiles", lambda devices=None: 3),
+                      ("memory_only_options", lambda devices=None: {"xla_gpu_autotune_level": 0})):
+    monkeypatch.setattr(loss_chunk, name, value)
+  for largest_fits in (True, False):
+    compiled.clear()
+    bytes_at = {2048: 100, 4096: 100, 8192: 100 if largest_fits else 100 + 2 * SAME_BYTES}
+    monkeypatch.setattr(loss_chunk, "memory_plan", lambda config, step: {"total_bytes": bytes_at[step[0]]})
+    resolved, step = resolve_loss_chunk(run, base_bytes=100, log=lambda *_: None)
+    assert sorted(c[:2] for c in compiled) == [(2048, True), (4096, True), (8192, False)]
+    assert threading.current_thread().name not in {c[2] for c in compiled}
+    chunk = resolved.runtime.loss_chunk_tokens
+    assert (chunk, step) == ((8192, (8192, False)) if largest_fits else (4096, None))
 
 
 def test_loss_chunk_candidates_double_up_to_the_tokens_per_device():
@@ -352,6 +388,7 @@ def test_loss_chunk_candidates_double_up_to_the_tokens_per_device():
     return candidates(run)
 
   assert chunks(16, 4096) == [2048, 4096, 8192]  # 8192 tokens per device
+  assert chunks(64, 4096) == [2048, 4096, 8192]  # 32768: none past LARGEST_TOKENS
   assert chunks(8, 1500) == [1500]
   assert chunks(16, 512) == []  # 1024 tokens per device: the default holds them all
 
@@ -376,7 +413,7 @@ def test_auto_loss_chunk_keeps_the_steps_memory(tmp_path):
   assert isinstance(chunk, int) and chunk in (DEFAULT_LOSS_CHUNK_TOKENS, *candidates(run))
   total = {c: memory_plan(with_loss_chunk(run, c))["total_bytes"] for c in (DEFAULT_LOSS_CHUNK_TOKENS, chunk)}
   assert total[chunk] <= total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES, total
-  assert (step is None) == (chunk != DEFAULT_LOSS_CHUNK_TOKENS)
+  assert step is None or step.runtime.loss_chunk_tokens == chunk  # on CPUs every candidate's step can run
   larger = [c for c in candidates(run) if c > chunk]
   if larger:
     assert memory_plan(with_loss_chunk(run, larger[0]))["total_bytes"] > total[DEFAULT_LOSS_CHUNK_TOKENS] + SAME_BYTES

@@ -18,10 +18,8 @@ memory only (on GPUs without XLA's autotuner: `train.compile.MEMORY_ONLY_OPTIONS
 still chooses its loss chunk: then they too are compiled for memory only, and the trainer compiles its step once).
 """
 
-import concurrent.futures
 import dataclasses
 import functools
-import os
 
 import jax
 
@@ -31,7 +29,8 @@ from relaymoe_jax.axes import EXPERT
 from relaymoe_jax.moe import RINGS
 from relaymoe_jax.ring.chunks import default_chunk_rows
 from relaymoe_jax.errors import UserError
-from train.compile import compile_step, device_limit_bytes, memory_only_options, memory_plan
+from train.compile import at_once, compile_step, concurrent_compiles, device_limit_bytes, memory_only_options
+from train.compile import memory_plan
 from train.config import RunConfig
 from train.mesh import token_shards
 from train.plan import greedy
@@ -51,15 +50,6 @@ FRUGAL_CHUNK_ROWS = 131072
 FRUGAL_SPAN_TOKENS = 16384
 # What a layer's choice costs in recompute time relative to `none`, cheapest memory first.
 FRUGAL_FIRST = ("offload", "layer", "all_but_attention", "attention", "none")
-
-
-def concurrent_compiles(devices=None):
-  """How many train steps the planner compiles at once: a quarter of the host's cores (compiling one uses several),
-  and one for compile-only devices of another machine (`--topology`), whose Mosaic kernels trace under a stand-in
-  for `jax.devices` that is not thread-safe."""
-  if devices is not None:
-    return 1
-  return max(1, (os.cpu_count() or 1) // 4)
 
 
 def offload_supported(devices=None):
@@ -208,20 +198,12 @@ class Planner:
     return plan["total_bytes"] <= self.budget_bytes
 
   def prefetch(self, remats, **changes):
-    """Compiles the steps of `remats` not measured yet, for their memory, all at once, a thread each, where the host
-    has the cores (`concurrent_compiles`): XLA compiles in C++ without holding the GIL and, for memory only, runs
-    nothing on the device, so they take far less than their sum (on one H200, the three uniform all-to-all 16 × 4096
-    steps at once in 26 s, one alone in 15 s). Elsewhere it does nothing and `measure` compiles each when asked."""
+    """Compiles the steps of `remats` not measured yet, for their memory, all at once where the host has the cores
+    (`train.compile.at_once`). Elsewhere it does nothing and `measure` compiles each when asked."""
     todo = [r for r in remats if self._key(r, changes) not in self._measured]
-    workers = min(len(todo), concurrent_compiles(self.devices))
-    if workers < 2:
-      return
-    pool = concurrent.futures.ThreadPoolExecutor(workers)
-    try:
-      for future in [pool.submit(self.measure, r, **changes) for r in todo]:
-        future.result()
-    finally:  # on an error or a stop (`train.rundir.preempt`), the compiles not yet started are dropped
-      pool.shutdown(cancel_futures=True)
+    workers = concurrent_compiles(self.devices)
+    if workers > 1:
+      at_once([functools.partial(self.measure, r, **changes) for r in todo], workers)
 
   def plan(self, **changes):
     """The cheapest-recompute remat plan that fits, for the run with `changes` (or the most frugal one, marked not
