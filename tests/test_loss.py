@@ -382,6 +382,29 @@ def test_the_loss_chunk_search_runs_the_step_it_compiled_to_run(monkeypatch):
     assert (chunk, step) == ((8192, (8192, False)) if largest_fits else (4096, None))
 
 
+def test_the_loss_chunk_search_finds_the_round_compiled_ahead_done(monkeypatch):
+  """The first round's compiles given to the remat plan (`ChunkSteps.ahead`), run before the search, are the
+  search's: it compiles nothing again, and runs the largest's step."""
+  run = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=16, seq_len=4096)
+  compiled = []
+
+  def compile_step(config, devices=None, memory_only=False, **resolved):
+    compiled.append((config.runtime.loss_chunk_tokens, memory_only))
+    return config.runtime.loss_chunk_tokens, memory_only
+
+  for name, value in (("compile_step", compile_step), ("concurrent_compiles", lambda devices=None: 3),
+                      ("memory_only_options", lambda devices=None: {"xla_gpu_autotune_level": 0}),
+                      ("memory_plan", lambda config, step: {"total_bytes": 100})):
+    monkeypatch.setattr(loss_chunk, name, value)
+  steps = loss_chunk.ChunkSteps()
+  for call in steps.ahead(run):
+    call()
+  assert sorted(compiled) == [(2048, True), (4096, True), (8192, False)]
+  resolved, step = resolve_loss_chunk(run, base_bytes=100, log=lambda *_: None, compiles=steps)
+  assert len(compiled) == 3 and (resolved.runtime.loss_chunk_tokens, step) == (8192, (8192, False))
+  assert loss_chunk.ChunkSteps().ahead(with_loss_chunk(run, 1024)) == []  # a chunk given: no search
+
+
 def test_loss_chunk_candidates_double_up_to_the_tokens_per_device():
   def chunks(batch_size, seq_len):
     run = RunConfig(model="tiny", mesh=MeshConfig(data=2, expert=4), batch_size=batch_size, seq_len=seq_len)

@@ -409,6 +409,22 @@ def test_a_damaged_cached_plan_is_named_never_copied_and_replaced_by_a_new_plan(
     assert plan_from_dict(json.loads(where.read_text())["plan"], 2) == plan
 
 
+def test_a_new_plan_hands_its_loss_chunk_compiles_ahead_to_the_search(tmp_path, monkeypatch):
+  """The compiles the plan's candidates run alongside (`loss_chunk.ChunkSteps`) are the ones the loss chunk's search
+  is given: what ran ahead is not compiled again."""
+  planner, asked = FakePlanner(), {}
+  monkeypatch.setattr(remat_auto, "make_planner", lambda *args, **kwargs: asked.update(kwargs) or planner)
+
+  def resolve_loss_chunk(run_config, step, **kwargs):
+    asked["compiles"] = kwargs["compiles"]
+    return run_config, step
+
+  monkeypatch.setattr(remat_auto, "resolve_loss_chunk", resolve_loss_chunk)
+  resolve_remat(_auto(tmp_path))
+  assert isinstance(asked["compiles"], loss_chunk.ChunkSteps)
+  assert asked["alongside"] == asked["compiles"].ahead
+
+
 def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_path, capsys, monkeypatch):
   """So a read-only cache that holds the plan gives no warning that the plan was not cached."""
   config = _auto(tmp_path)
@@ -462,6 +478,33 @@ def test_a_resume_keeps_the_plan_its_checkpoints_were_written_with(fake_planner,
   assert fake_planner.calls == 1 and not (run_dir / "remat_plan.json").exists()
   assert resolve_remat(config)[1] == fake_planner.planned  # not resumed: recorded at once
   assert (run_dir / "remat_plan.json").exists()
+
+
+def test_a_candidate_plan_compiles_at_once_with_its_loss_chunk_search(monkeypatch):
+  """While the trainer still chooses its loss chunk, a candidate plan's own compile (for memory only) runs at once
+  with the compiles `alongside` gives for that candidate's run config, each once."""
+  compiled = []
+
+  def compile_step(config, devices=None, memory_only=False, **resolved):
+    compiled.append((config.runtime.remat, memory_only, threading.current_thread().name))
+    return config
+
+  monkeypatch.setattr(planning, "compile_step", compile_step)
+  monkeypatch.setattr(planning, "memory_plan", lambda config, step: {"total_bytes": 1, "compile_s": 0.0})
+  monkeypatch.setattr(planning, "concurrent_compiles", lambda devices=None: 3)
+  ahead = []
+
+  def alongside(config):
+    return [lambda: ahead.append((config.runtime.remat, dict(config.runtime.dispatcher_options),
+                                  threading.current_thread().name))] * 2
+
+  planner = new_planner(BASE, 1 << 50, candidates_to_run=False, alongside=alongside)
+  remat = ("layer", "none")
+  for _ in range(2):  # the second time: measured already
+    assert planner.confirm(remat, keep_gate_up=True)["total_bytes"] == 1
+  assert [c[:2] for c in compiled] == [(remat, True)] and len(ahead) == 2
+  assert all(a[:2] == (remat, {"keep_gate_up": True}) for a in ahead), ahead
+  assert threading.current_thread().name not in {compiled[0][2], *(a[2] for a in ahead)}
 
 
 @pytest.mark.slow  # three compiles afresh

@@ -125,7 +125,7 @@ class Planner:
   the mesh) and remembers what each needed. `model_config`, `mesh`: the run's, resolved once (`train.run.Run`)."""
 
   def __init__(self, run_config: RunConfig, budget_bytes, *, model_config, mesh, log=print, devices=None,
-               keep_steps=False, candidates_to_run=True):
+               keep_steps=False, candidates_to_run=True, alongside=None):
     self.run_config = run_config
     self.model_config = model_config
     self.mesh = mesh
@@ -137,6 +137,9 @@ class Planner:
     # False: the plan's candidates too are compiled for memory only, where the step to run is not the plan's own
     # (the trainer's loss chunk is chosen after the plan, `train.plan.loss_chunk`) and compiling it would be wasted.
     self.candidates_to_run = candidates_to_run
+    # (a candidate's run config) → compiles of it to run at once with the candidate's own (the loss chunk's search:
+    # `train.plan.loss_chunk.ChunkSteps.ahead`).
+    self.alongside = alongside
     self.compiles = []
     self._measured = {}
     self._steps = {}
@@ -150,7 +153,7 @@ class Planner:
     if key in self._measured:
       return self._measured[key]
     cap, spans = self._chunk_cap(changes), self._span_cap(changes)
-    config = with_remat(dataclasses.replace(self.run_config, **changes), remat, cap, keep_gate_up, spans)
+    config = self._config(remat, changes, keep_gate_up)
     step = compile_step(config, self.devices, memory_only=not to_run, model_config=self.model_config,
                         mesh=self.mesh)
     if self.keep_steps and (to_run or memory_only_options(self.devices) is None):
@@ -163,6 +166,18 @@ class Planner:
     self.log(f"  compiled {what}: {size(plan['total_bytes'])} per device (budget "
              f"{size(self.budget_bytes)}) in {plan['compile_s']:.0f} s")
     return plan
+
+  def _config(self, remat, changes, keep_gate_up=False):
+    return with_remat(dataclasses.replace(self.run_config, **changes), remat, self._chunk_cap(changes), keep_gate_up,
+                      self._span_cap(changes))
+
+  def confirm(self, remat, keep_gate_up=False, **changes):
+    """`measure` of a candidate plan: compiled to run (`candidates_to_run`), else for its memory, at once with
+    `alongside`'s compiles of it."""
+    if self.alongside and self._key(remat, changes, keep_gate_up) not in self._measured:
+      at_once([functools.partial(self.measure, remat, keep_gate_up, self.candidates_to_run, **changes),
+               *self.alongside(self._config(remat, changes, keep_gate_up))], concurrent_compiles(self.devices))
+    return self.measure(remat, keep_gate_up, self.candidates_to_run, **changes)
 
   def compiled_step(self, remat, keep_gate_up=False, **changes):
     """The CompiledStep measured for `remat` (with keep_steps), else None."""
@@ -236,12 +251,11 @@ class Planner:
     keep = keeps_gate_up(dataclasses.replace(self.run_config, **changes))
     while True:
       if keep:
-        kept = self.measure(remat, keep_gate_up=True, to_run=self.candidates_to_run, **changes)
+        kept = self.confirm(remat, keep_gate_up=True, **changes)
         if self.fits(kept):
           return self._result(remat, kept, changes, keep_gate_up=True)
       known = uniform.get(remat[0], {}) if len(set(remat)) == 1 else {}
-      plan = known if "estimated" not in known and known else self.measure(remat, to_run=self.candidates_to_run,
-                                                                           **changes)
+      plan = known if "estimated" not in known and known else self.confirm(remat, **changes)
       if self.fits(plan):
         return self._result(remat, plan, changes)
       if remat == (frugal,) * len(remat):  # only where the frugal step was estimated to fit and does not
@@ -342,11 +356,12 @@ def budget_bytes(run_config, limit):
   return int(limit * (1 - run_config.memory_headroom))
 
 
-def make_planner(run_config, model_config, mesh, log=print, devices=None, keep_steps=False, candidates_to_run=True):
+def make_planner(run_config, model_config, mesh, log=print, devices=None, keep_steps=False, candidates_to_run=True,
+                 alongside=None):
   """The Planner of `run_config` (of `model_config` on `mesh`) with the device's budget."""
   limit = device_limit_bytes(run_config)
   if limit is None:
     raise UserError(f"{jax.default_backend()} devices report no memory limit: set device_memory_gib to plan "
                     "(e.g. device_memory_gib=132 for 95% of an H200)")
   return Planner(run_config, budget_bytes(run_config, limit), model_config=model_config, mesh=mesh, log=log,
-                 devices=devices, keep_steps=keep_steps, candidates_to_run=candidates_to_run)
+                 devices=devices, keep_steps=keep_steps, candidates_to_run=candidates_to_run, alongside=alongside)

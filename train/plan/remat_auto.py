@@ -9,7 +9,7 @@ import jax
 from models.runtime import LOSS_CHUNK_AUTO, REMAT_AUTO
 from relaymoe_jax.errors import UserError
 from train.compile import StepDoesNotFit
-from train.plan.loss_chunk import resolve_loss_chunk, searches, with_loss_chunk
+from train.plan.loss_chunk import ChunkSteps, resolve_loss_chunk, searches, with_loss_chunk
 from train.metrics import log_on_process_0, size
 from train.plan.planner import apply_plan, make_planner
 from train.plan.record import PLAN_FILE, cached_plan_path, plan_from_dict, plan_key, store_plan, stored_plan
@@ -32,9 +32,11 @@ def resolve_remat(run_config, model_config, mesh, resume=False):
     plan, where = own
     log_on_process_0(f"remat auto: {plan.summary()}, the plan this run's checkpoints were written with ({where})")
     return _applied(run_config, plan), plan, None
-  # Where the loss chunk is still to be searched, the plan's step is not the one to run: compiled for memory only.
+  # Where the loss chunk is still to be searched, the plan's step is not the one to run: compiled for memory only, at
+  # once with the search's first round.
+  chunk_steps = ChunkSteps(model_config=model_config, mesh=mesh)
   planner = make_planner(run_config, model_config, mesh, log=log_on_process_0, keep_steps=True,
-                         candidates_to_run=not searches(run_config, mesh=mesh))
+                         candidates_to_run=not searches(run_config, mesh=mesh), alongside=chunk_steps.ahead)
   path = None if resume else out / PLAN_FILE
   key = plan_key(run_config, model_config, planner.budget_bytes)
   cached = cached_plan_path(run_config, key)
@@ -53,7 +55,8 @@ def resolve_remat(run_config, model_config, mesh, resume=False):
   log_on_process_0(f"remat auto: {plan.summary()} ({size(plan.total_bytes)} per device of "
                    f"{size(plan.budget_bytes)})")
   chosen, step = resolve_loss_chunk(apply_plan(run_config, plan), planner.compiled_step(plan.remat, plan.keep_gate_up),
-                                    base_bytes=plan.total_bytes, model_config=model_config, mesh=mesh)
+                                    base_bytes=plan.total_bytes, model_config=model_config, mesh=mesh,
+                                    compiles=chunk_steps)
   if run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO:  # a chunk the user set is no choice of the plan's
     plan.loss_chunk_tokens = chosen.runtime.loss_chunk_tokens
   run_config = chosen
