@@ -15,7 +15,8 @@ host link. Where the expert ring's backward can keep the forward's gate/up proje
 within the budget, it does: a quarter of the MoE backward's matmuls fewer. The uniform steps are compiled for their
 memory only (on GPUs without XLA's autotuner: `train.compile.MEMORY_ONLY_OPTIONS`), at once; the plan's candidates
 (keeping gate/up first) are compiled to run, one at a time, and the trainer runs the chosen one (unless the trainer
-still chooses its loss chunk: then they too are compiled for memory only, and the trainer compiles its step once).
+still chooses its loss chunk: then they too are compiled for memory only, each at once with that search's first
+round for it, `alongside`, which compiles the step to run).
 """
 
 import dataclasses
