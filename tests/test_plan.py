@@ -409,20 +409,24 @@ def test_a_damaged_cached_plan_is_named_never_copied_and_replaced_by_a_new_plan(
     assert plan_from_dict(json.loads(where.read_text())["plan"], 2) == plan
 
 
-def test_a_new_plan_hands_its_loss_chunk_compiles_ahead_to_the_search(tmp_path, monkeypatch):
-  """The compiles the plan's candidates run alongside (`loss_chunk.ChunkSteps`) are the ones the loss chunk's search
-  is given: what ran ahead is not compiled again."""
-  planner, asked = FakePlanner(), {}
-  monkeypatch.setattr(remat_auto, "make_planner", lambda *args, **kwargs: asked.update(kwargs) or planner)
+def test_a_new_plan_compiles_its_loss_chunk_search_ahead_once(tmp_path, monkeypatch):
+  """The loss chunk's candidates compiled at once with the plan's candidate (`loss_chunk.ChunkSteps`) are of the
+  very run the search is then given: it compiles nothing again and the trainer gets the step compiled ahead."""
+  monkeypatch.setattr(planning, "compile_step", lambda config, *args, **kwargs: config)
+  monkeypatch.setattr(planning, "memory_plan", lambda config, step: dict(total_bytes=1, temp_bytes=1, state_bytes=0,
+                                                                        compile_s=0.0))
+  chunk_compiles = []
 
-  def resolve_loss_chunk(run_config, step, **kwargs):
-    asked["compiles"] = kwargs["compiles"]
-    return run_config, step
+  def compile_step(config, devices=None, memory_only=False, **resolved):
+    chunk_compiles.append(config.runtime.loss_chunk_tokens)
+    return config
 
-  monkeypatch.setattr(remat_auto, "resolve_loss_chunk", resolve_loss_chunk)
-  resolve_remat(_auto(tmp_path))
-  assert isinstance(asked["compiles"], loss_chunk.ChunkSteps)
-  assert asked["alongside"] == asked["compiles"].ahead
+  monkeypatch.setattr(loss_chunk, "compile_step", compile_step)
+  monkeypatch.setattr(loss_chunk, "memory_plan", lambda config, step: {"total_bytes": 1})
+  config = dataclasses.replace(_auto(tmp_path), batch_size=16, seq_len=1024, device_memory_gib=1)  # 2048 a device
+  resolved, plan, step = resolve_remat(config)
+  assert chunk_compiles == [2048] and plan.loss_chunk_tokens == 2048 and plan.keep_gate_up
+  assert step == resolved and resolved.runtime.loss_chunk_tokens == 2048 and resolved.runtime.remat == plan.remat
 
 
 def test_a_plan_read_from_the_cache_is_not_written_back_to_it(fake_planner, tmp_path, capsys, monkeypatch):
