@@ -89,18 +89,18 @@ class ChunkSteps:
     for known, total, step in self.done:
       if known == config and (step is not None or not last):
         return total, step
-    runs = last or memory_only_options(self.devices) is None
     step = compile_step(config, self.devices, memory_only=not last, **self.resolved)
     total = memory_plan(config, step)["total_bytes"]
-    self.done.append((config, total, step if runs else None))
-    return total, step if runs else None
+    if not (last or memory_only_options(self.devices) is None):
+      step = None
+    self.done.append((config, total, step))
+    return total, step
 
   def ahead(self, run_config):
     """The first round's compiles of `run_config`'s search (functions of no argument), none where it searches
     nothing."""
-    if not searches(run_config, self.devices, self.resolved["mesh"]):
-      return []
-    chunks = candidates(run_config, self.devices, self.resolved["mesh"])
+    auto = run_config.runtime.loss_chunk_tokens == LOSS_CHUNK_AUTO
+    chunks = candidates(run_config, self.devices, self.resolved["mesh"]) if auto else []
     hi = len(chunks) - 1
     return [functools.partial(self.compile, run_config, chunks[i], i == hi)
             for i in probes(0, hi, concurrent_compiles(self.devices))]
