@@ -16,7 +16,8 @@ state pass. With S_n the state entering chunk n, V_new its new values and dS' th
 - `wy_backward`, from dV_new, dW and the forward's T = (I + A)⁻¹: of U = T βV, W = T Xw (Xw = K ⊙ β m exp(Γ)),
   A = strictly lower (diag(β) K Kᵀ) ⊙ D:
     dT = dV_new (βV)ᵀ + dW Xwᵀ,  dV = β ⊙ Tᵀ dV_new,  dXw = Tᵀ dW,  dA = −Tᵀ dT Tᵀ,
-  then through Xw and A to dK, dβ and dΓ.
+  then through Xw and A to dK, dβ and dΓ; with the other two kernels' dK added, through k's L2 norm to the rule's
+  own dk (k̂ = k r: dk = r (dK − k̂ Σ dK ⊙ k̂)), written in k's layout.
 
 Split so (fla's split too): one kernel holding every one of these [C, 64] float32 tiles spilled its registers (ptxas
 for an H200 at 16 × 4096: 255 registers and 1224 bytes spilled in `wy_backward` with W's and Kd's terms inside, 872
@@ -24,8 +25,10 @@ bytes in `output_backward` with ∂V_new inside and its K blocks a loop); split,
 ran the backward 1.0 ms faster at 16 × 4096 though dW and the partial dK make a round trip through memory.
 
 The programs of `output_backward` (and one block of K), `state_inputs_backward` (a run of chunks) and `wy_backward`
-take one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip and leave in float32
-at the key heads; the other gradients are per value head, float32 (dV in v's dtype). Key and value columns go in
+take one (row, key head, chunk) and its value heads in turn, so dQ and dK sum over them on chip: dQ and the first two
+dK parts leave in float32 at the key heads, `wy_backward` reads those dK parts and writes dk whole (XLA adding three
+float32 parts, taking them through the norm and moving them back cost about 1.2 ms of 22 on an H100 at 16 × 4096);
+the other gradients are per value head, float32 (dV in v's dtype). Key and value columns go in
 blocks of BLOCK_V. Each takes `interpret` as the forward kernels do.
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
@@ -259,11 +262,13 @@ def state_inputs_backward(k_BGNCK, gamma_BHNC, masks, states_BHNKV, dcarry_BHNKV
                   vnew_BHNCV, dvnew_BHNCV)
 
 
-def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_ref, dw_ref, dvnew_ref, dk_ref,
-                        dv_ref, dbeta_ref, dgamma_ref, *, dtype):
+def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_ref, dw_ref, dvnew_ref,
+                        dk_output_ref, dk_state_ref, k_scale_ref, dk_ref, dv_ref, dbeta_ref, dgamma_ref, *, dtype,
+                        normalized):
   """One (row, key head, chunk): k_ref [C, K]; per value head r: v_ref [C, R, V] (v's layout), dvnew_ref [R, C, V],
-  dw_ref [R, C, K], beta_ref, gamma_ref [R, C], t_ref [R, C, C]; reads and documents [C]; outputs dk_ref [C, K],
-  dv_ref [C, R, V], dbeta_ref, dgamma_ref [R, C]."""
+  dw_ref [R, C, K], beta_ref, gamma_ref [R, C], t_ref [R, C, C]; reads and documents [C]; the other kernels' dK
+  dk_output_ref, dk_state_ref [C, K] and k's L2 scale k_scale_ref [C]; outputs dk_ref [C, K] (k's layout: the
+  gradient of the rule's own k), dv_ref [C, R, V], dbeta_ref, dgamma_ref [R, C]."""
   keys, values = _column_blocks(k_ref.shape[1]), _column_blocks(v_ref.shape[-1])
   c = k_ref.shape[0]
 
@@ -306,26 +311,37 @@ def _wy_backward_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t
     dgamma_ref[r] = dgamma_C + jnp.sum(g_CC, axis=1) - jnp.sum(g_CC, axis=0)
     return tuple(dk)
 
-  zeros = tuple(jnp.zeros((c, kc.size), jnp.float32) for kc in keys)
-  dk = lax.fori_loop(0, beta_ref.shape[0], value_head, zeros)
+  others = tuple(dk_output_ref[:, kc] + dk_state_ref[:, kc] for kc in keys)
+  dk = lax.fori_loop(0, beta_ref.shape[0], value_head, others)
+  # Through the L2 norm: k̂ = k r, so dk = r (dk̂ − k̂ Σ dk̂ ⊙ k̂)
+  if normalized:
+    along_C = sum(jnp.sum(dk[i] * k_ref[:, kc].astype(jnp.float32), axis=1) for i, kc in enumerate(keys))
+    dk = [dk[i] - k_ref[:, kc].astype(jnp.float32) * along_C[:, None] for i, kc in enumerate(keys)]
+  scale_C = k_scale_ref[...]
   for i, kc in enumerate(keys):
-    dk_ref[:, kc] = dk[i]
+    dk_ref[:, kc] = (dk[i] * scale_C[:, None]).astype(dk_ref.dtype)
 
 
-def wy_backward(k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV, dtype,
-                interpret):
-  """(dK [B, G, N, C, K] float32, dV [B, N, C, H, V] in v's dtype (v's layout), dβ and dΓ [B, H, N, C] float32)
-  through U = T βV, W = T Xw, T and A, from dV_new (`state_backward`), dW (`state_inputs_backward`) and the forward's
-  T."""
+def wy_backward(k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV,
+                dk_output_BGNCK, dk_state_BGNCK, k_scale_BGNC, k_dtype, normalized, dtype, interpret):
+  """(dK [B, N, C, G, K] in `k_dtype`, the rule's k's own gradient: dK from `output_backward` and
+  `state_inputs_backward` with this kernel's through U = T βV, W = T Xw, T and A, then through k's L2 norm (k̂ = k r,
+  r `k_scale` [B, G, N, C]; with `normalized` false, k̂ = k and r = 1); dV [B, N, C, H, V] in v's dtype (v's layout),
+  dβ and dΓ [B, H, N, C] float32), from dV_new (`state_backward`), dW (`state_inputs_backward`) and the forward's
+  T. dK leaves in the rule's layout: XLA sums no float32 partials and moves nothing back."""
   b, hk, n, c, k = k_BGNCK.shape
   h, v = v_BNCHV.shape[3:]
   r = h // hk
   key, value, position = _by_key_head(r, c)
   values = pl.BlockSpec((pl.squeezed, pl.squeezed, c, r, v), lambda bi, gi, ni: (bi, ni, 0, gi, 0))
+  dk_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, c, pl.squeezed, k), lambda bi, gi, ni: (bi, ni, 0, gi, 0))
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  out_shape = [f32(k_BGNCK.shape), jax.ShapeDtypeStruct(v_BNCHV.shape, v_BNCHV.dtype), f32(beta_BHNC.shape),
-               f32(gamma_BHNC.shape)]
-  in_specs = [key(c, k), values, value(c), value(c), position, position, value(c, c), value(c, k), value(c, v)]
-  return call(functools.partial(_wy_backward_kernel, dtype=dtype), (b, hk, n), in_specs,
-              [key(c, k), values, value(c), value(c)], out_shape, interpret, "gated_delta_wy_backward")(
-                  k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)
+  out_shape = [jax.ShapeDtypeStruct((b, n, c, hk, k), k_dtype), jax.ShapeDtypeStruct(v_BNCHV.shape, v_BNCHV.dtype),
+               f32(beta_BHNC.shape), f32(gamma_BHNC.shape)]
+  in_specs = [key(c, k), values, value(c), value(c), position, position, value(c, c), value(c, k), value(c, v),
+              key(c, k), key(c, k), key(c)]
+  kernel = functools.partial(_wy_backward_kernel, dtype=dtype, normalized=normalized)
+  return call(kernel, (b, hk, n), in_specs, [dk_spec, values, value(c), value(c)], out_shape, interpret,
+              "gated_delta_wy_backward")(
+                  k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV,
+                  dk_output_BGNCK, dk_state_BGNCK, k_scale_BGNC)

@@ -48,8 +48,13 @@ def check_inputs(q, k, v, g, beta, segment_ids, initial_state, chunk_size):
                       f"{shape}")
 
 
+def l2_scale(x_BSHK):
+  """r [B, S, H] such that x r is x's L2 normalisation over its last axis (float32 x)."""
+  return lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1) + 1e-6)
+
+
 def _l2_normalize(x_BSHK):
-  return x_BSHK * lax.rsqrt(jnp.sum(x_BSHK * x_BSHK, axis=-1, keepdims=True) + 1e-6)
+  return x_BSHK * l2_scale(x_BSHK)[..., None]
 
 
 def normalize_qk(q_BSGK, k_BSGK, l2_normalize):

@@ -2,7 +2,7 @@
 docstring) forward on `gated_delta_kernels`' three kernels and backward on `gated_delta_backward_kernels`' five, in
 head-major layout ([B, H, N, C, ·]) but v and dO, read where they lie ([B, N, C, H, V], a free reshape of
 [B, S, H, V]), q and k at their key heads, with XLA's elementwise work around them: normalising q and k, Γ, the
-chunks' decays, and their VJP.
+chunks' decays, and their VJP (but k's: `wy_backward` writes dk whole).
 
 Shape letters: see relaymoe_jax (the gated delta rule's own).
 """
@@ -58,6 +58,12 @@ class _Chunks(NamedTuple):
   masks: gdc.Masks
   seg_BNC: jax.Array
   decay_BHN: jax.Array  # c exp(Γ_C)
+
+
+def _k_scale(k, chunk_size, l2_normalize):
+  """k's L2 scale r [B, G, N, C] (ones without the norm): `wy_backward` takes dK through the norm with it."""
+  k_BSG = gdc.l2_scale(k.astype(jnp.float32)) if l2_normalize else jnp.ones(k.shape[:-1], jnp.float32)
+  return _head_major(k_BSG, chunk_size)
 
 
 def _chunks(x, seg_BS, chunk_size, dtype):
@@ -123,7 +129,9 @@ def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotan
   q, k, v, g, beta, seg_BS, state_BHKV, t_BHNCC = residuals
   do_BSHV, dfinal_BHKV = cotangents
   dtype = _operand_dtype(v)
-  x, inputs_vjp = jax.vjp(lambda *a: _head_chunks(*a, chunk_size, l2_normalize), q, k, v, g, beta)
+  # k's gradient leaves `wy_backward` whole (through its norm, in k's layout): XLA's VJP takes the other inputs
+  x, inputs_vjp = jax.vjp(lambda q, v, g, beta: _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize), q, v, g,
+                          beta)
   ch = _chunks(x, seg_BS, chunk_size, dtype)
   t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, _ = _state_pass(x, ch, state_BHKV, t_BHNCC, dtype)
   do_BSHV = jnp.pad(do_BSHV, [(0, 0), (0, -v.shape[1] % chunk_size), (0, 0), (0, 0)])
@@ -138,12 +146,14 @@ def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotan
   dw_BHNCK, dk_kd_BGNCK, dgamma_kd_BHNC = _per_platform(
       lambda *a: state_inputs_backward(a[0], a[1], ch.masks, *a[2:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC,
       states_BHNKV, dcarry_BHNKV, vnew_BHNCV, dvnew_BHNCV)
-  dk_wy_BGNCK, dv_BNCHV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
-      lambda *a: wy_backward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BNCHV, x.beta_BHNC, x.gamma_BHNC,
-      ch.masks.reads_BNC, ch.seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV)
-  dq, dk, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, dk_BGNCK + dk_kd_BGNCK + dk_wy_BGNCK, dv_BNCHV,
-                                                 dgamma_BHNC + dgamma_kd_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
-  return dq, dk, dv, dg, dbeta, None, dstate_BHKV
+  dk_BNCGK, dv_BNCHV, dbeta_BHNC, dgamma_wy_BHNC = _per_platform(
+      lambda *a: wy_backward(*a[:-1], k.dtype, l2_normalize, dtype, a[-1]), ch.k_BGNCK, x.v_BNCHV, x.beta_BHNC,
+      x.gamma_BHNC, ch.masks.reads_BNC, ch.seg_BNC, t_BHNCC, dw_BHNCK, dvnew_BHNCV, dk_BGNCK, dk_kd_BGNCK,
+      _k_scale(k, chunk_size, l2_normalize))
+  dq, dv, dg, dbeta = inputs_vjp(_HeadChunks(dq_BGNCK, jnp.zeros_like(x.k_BGNCK), dv_BNCHV,
+                                             dgamma_BHNC + dgamma_kd_BHNC + dgamma_wy_BHNC, dbeta_BHNC))
+  b, n, c, hk, kd = dk_BNCGK.shape
+  return dq, dk_BNCGK.reshape(b, n * c, hk, kd)[:, :k.shape[1]], dv, dg, dbeta, None, dstate_BHKV
 
 
 _kernel_chunked.defvjp(_kernel_chunked_fwd, _kernel_chunked_bwd)
