@@ -17,8 +17,7 @@ from jax import lax
 from models.attention import gated_delta_chunks as gdc
 from models.attention.gated_delta_backward_kernels import (output_backward, output_value_backward, state_backward,
                                                            state_inputs_backward, wy_backward)
-from models.attention.gated_delta_kernels import (BLOCK, chunk_output, chunk_wy, state_forward, takes_the_kernels,
-                                                  wy_xla)
+from models.attention.gated_delta_kernels import BLOCK, chunk_output, chunk_wy, state_forward, takes_the_kernels
 
 
 def _per_platform(call, *args):
@@ -72,13 +71,10 @@ def _chunks(x, seg_BS, chunk_size, dtype):
                  masks.keeps_BN[:, None] * jnp.exp(x.gamma_BHNC[..., -1]))
 
 
-def _state_pass(x, ch, state_BHKV, t_BHNCC, dtype):
-  """(T, W, S_n, V_new, final state): T, U and W by `chunk_wy`'s kernel, or, given T, U and W from it in XLA."""
-  wy_inputs = (ch.k_BGNCK, x.v_BNCHV, x.beta_BHNC, x.gamma_BHNC, ch.masks.reads_BNC)
-  if t_BHNCC is None:
-    t_BHNCC, u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), *wy_inputs, ch.seg_BNC)
-  else:
-    u_BHNCV, w_BHNCK = wy_xla(t_BHNCC, *wy_inputs, dtype)
+def _state_pass(x, ch, state_BHKV, dtype):
+  """(T, W, S_n, V_new, final state): T, U and W by `chunk_wy`'s kernel, then the loop over chunks."""
+  t_BHNCC, u_BHNCV, w_BHNCK = _per_platform(lambda *a: chunk_wy(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.v_BNCHV,
+                                            x.beta_BHNC, x.gamma_BHNC, ch.masks.reads_BNC, ch.seg_BNC)
   states_BHNKV, vnew_BHNCV, final_BHKV = _per_platform(
       lambda *a: state_forward(*a[:-1], dtype, a[-1]), ch.k_BGNCK, x.gamma_BHNC, ch.masks.writes_BNC, w_BHNCK,
       u_BHNCV, ch.decay_BHN, state_BHKV)
@@ -90,50 +86,53 @@ def _operand_dtype(v):
 
 
 def _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize):
-  """((o, final state), T)."""
+  """((o, final state), (T, W, S_n, V_new): what the backward needs of the state pass)."""
   dtype = _operand_dtype(v)
   x = _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize)
   ch = _chunks(x, seg_BS, chunk_size, dtype)
-  t_BHNCC, _, states_BHNKV, vnew_BHNCV, final_BHKV = _state_pass(x, ch, state_BHKV, None, dtype)
+  t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, final_BHKV = _state_pass(x, ch, state_BHKV, dtype)
   o_BSHV = _per_platform(lambda *a: chunk_output(*a[:-1], v.dtype, dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK,
                          x.gamma_BHNC, ch.masks.reads_BNC, ch.seg_BNC, states_BHNKV, vnew_BHNCV)
-  return (o_BSHV[:, :v.shape[1]], final_BHKV), t_BHNCC
+  return (o_BSHV[:, :v.shape[1]], final_BHKV), (t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV)
 
 
-def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
+def kernel_chunked_forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_state_pass):
   """The chunked form with the Pallas kernels (`gated_delta_kernels`): each chunk's T, U and W, the loop over chunks
   and each chunk's output as kernels (the decayed keys formed in the loop's), the chunks' decays XLA's, q and k at
   their key heads; operands bfloat16 unless v is float32. Returns (o [B, S, H, V] in v's dtype, final state
   float32).
 
-  Its VJP keeps the inputs and, with `keep_inverse`, each chunk's T (C / V of v's size: the backward then skips the
-  inverse, `chunk_wy`, the forward's costliest kernel); the backward reruns the state pass for the per-chunk states
-  and runs `gated_delta_backward_kernels`' five kernels."""
+  Its VJP keeps the inputs and, with `keep_state_pass`, what the backward needs of the state pass: each chunk's T, W,
+  entering state and V_new (about 4.5 times v's size at C = 64, K = V = 128; the backward then reruns neither
+  `chunk_wy`, the forward's costliest kernel, nor the loop over chunks); without it the backward reruns both for
+  them. Then it runs `gated_delta_backward_kernels`' five kernels."""
   if not takes_the_kernels(chunk_size):
     raise ValueError(f"chunk_size={chunk_size}: the Pallas kernels take a power of 2, at least {BLOCK}")
   return _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV.astype(jnp.float32), chunk_size, l2_normalize,
-                         keep_inverse)
+                         keep_state_pass)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
+def _kernel_chunked(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_state_pass):
   return _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)[0]
 
 
-def _kernel_chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_inverse):
-  out, t_BHNCC = _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
-  return out, (q, k, v, g, beta, seg_BS, state_BHKV, t_BHNCC if keep_inverse else None)
+def _kernel_chunked_fwd(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize, keep_state_pass):
+  out, passed = _forward(q, k, v, g, beta, seg_BS, state_BHKV, chunk_size, l2_normalize)
+  return out, (q, k, v, g, beta, seg_BS, state_BHKV, passed if keep_state_pass else None)
 
 
-def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_inverse, residuals, cotangents):
-  q, k, v, g, beta, seg_BS, state_BHKV, t_BHNCC = residuals
+def _kernel_chunked_bwd(chunk_size, l2_normalize, keep_state_pass, residuals, cotangents):
+  q, k, v, g, beta, seg_BS, state_BHKV, passed = residuals
   do_BSHV, dfinal_BHKV = cotangents
   dtype = _operand_dtype(v)
   # k's gradient leaves `wy_backward` whole (through its norm, in k's layout): XLA's VJP takes the other inputs
   x, inputs_vjp = jax.vjp(lambda q, v, g, beta: _head_chunks(q, k, v, g, beta, chunk_size, l2_normalize), q, v, g,
                           beta)
   ch = _chunks(x, seg_BS, chunk_size, dtype)
-  t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV, _ = _state_pass(x, ch, state_BHKV, t_BHNCC, dtype)
+  if passed is None:
+    passed = _state_pass(x, ch, state_BHKV, dtype)[:4]
+  t_BHNCC, w_BHNCK, states_BHNKV, vnew_BHNCV = passed
   do_BSHV = jnp.pad(do_BSHV, [(0, 0), (0, -v.shape[1] % chunk_size), (0, 0), (0, 0)])
   dq_BGNCK, dk_BGNCK, dgamma_BHNC = _per_platform(
       lambda *a: output_backward(*a[:-1], dtype, a[-1]), ch.q_BGNCK, ch.k_BGNCK, x.gamma_BHNC,

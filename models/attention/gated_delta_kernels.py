@@ -6,8 +6,8 @@ their key heads, and the helpers the backward's kernels (`gated_delta_backward_k
 - `chunk_wy`: each chunk's T = (I + A)⁻¹, U = T βV and W = T (K ⊙ β m exp(Γ)), A = strictly lower
   (diag(β) K Kᵀ) ⊙ D, all formed in the kernel from the keys, values, β, Γ and the documents, one program per
   (row, value head, run of chunks: `over_chunks` loops a one-chunk kernel over its program's run). T's diagonal
-  blocks of 16 by forward substitution, the blocks below them by block inversion. The backward takes T and
-  recomputes U and W from it in XLA (`wy_xla`).
+  blocks of 16 by forward substitution, the blocks below them by block inversion. The backward takes T and W
+  as the forward made them (or, for rows in spans, runs this kernel again).
 - `state_forward`: the loop over chunks carrying the state S [K, V], one program per (row, value head, block of V)
   keeping its slice of S on chip, the decayed keys Kd = K ⊙ e exp(Γ_C − Γ) formed from K and Γ as it goes:
 
@@ -212,20 +212,6 @@ def _chunk_wy_kernel(k_ref, v_ref, beta_ref, gamma_ref, reads_ref, seg_ref, t_re
   for i in range(blocks):
     u_ref[i] = sum(dot(t[i, j], bv(j), dtype) for j in range(i + 1)).astype(u_ref.dtype)
     w_ref[i] = sum(dot(t[i, j], xw(j), dtype) for j in range(i + 1)).astype(w_ref.dtype)
-
-
-def wy_xla(t_BHNCC, k_BGNCK, v_BNCHV, beta_BHNC, gamma_BHNC, reads_BNC, dtype):
-  """(U, W) [B, H, N, C, ·] in `dtype` from `chunk_wy`'s T, in XLA: the backward's, which keeps T, not U and W."""
-  b, hk, n, c, _ = k_BGNCK.shape
-  groups = lambda x_BH_: x_BH_.reshape(b, hk, -1, *x_BH_.shape[2:])
-  heads = lambda x_BGR_: x_BGR_.reshape(b, -1, *x_BGR_.shape[3:])
-  mm = functools.partial(operand_einsum, dtype=dtype)
-  beta_BGRNC = groups(beta_BHNC)
-  xw_BGRNCK = scaled(k_BGNCK, beta_BGRNC * reads_BNC[:, None, None] * jnp.exp(groups(gamma_BHNC)), dtype)
-  v_BGRNCV = groups(jnp.moveaxis(v_BNCHV, 3, 1))
-  u_BGRNCV = mm("bgrncs,bgrnsv->bgrncv", groups(t_BHNCC), v_BGRNCV * beta_BGRNC[..., None])
-  w_BGRNCK = mm("bgrncs,bgrnsk->bgrnck", groups(t_BHNCC), xw_BGRNCK)
-  return heads(u_BGRNCV).astype(dtype), heads(w_BGRNCK).astype(dtype)
 
 
 def takes_the_kernels(chunk_size):
