@@ -125,7 +125,8 @@ def test_the_pallas_kernels_match_recurrent_with_gradients(documents):
   its dK without D, only its first value head, ∂V_new from P untransposed, ∂S_n dropped or without m, dW's sign,
   Kd's dK or dΓ dropped, the state's decay's dΓ without exp(Γ_C), only the first value head or block of V of dW,
   dβ through W without m exp(Γ), dA without β, dK through A one-sided, A's diagonal kept, dV without β, dT without
-  dW Xwᵀ, only the first value head of `wy_backward`, only the first block of columns anywhere; v read at the first
+  dW Xwᵀ, only the first value head of `wy_backward`, only the first block of columns anywhere, dk not through k's
+  norm, Kd's part of dK not added; v read at the first
   value head by `chunk_wy` or `wy_backward`, dV written there, Kd without its decay in either state pass, writes and
   reads swapped in the backward's, a value head's key head wrong in the state passes."""
   x = make_inputs(130, a_max=1.0)
