@@ -338,7 +338,3 @@ def chunk_output(q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV,
   return call(functools.partial(_output_kernel, dtype=dtype), (b, h, n, v // block), in_specs, out_spec,
                jax.ShapeDtypeStruct((b, n * c, h, v), out_dtype), interpret, "gated_delta_chunk_output")(
                    q_BGNCK, k_BGNCK, gamma_BHNC, reads_BNC, seg_BNC, states_BHNKV, vnew_BHNCV)
-
-
-def scaled(x_BGNCK, scale_BGRNC, dtype):
-  return (x_BGNCK[:, :, None] * scale_BGRNC[..., None]).astype(dtype)
