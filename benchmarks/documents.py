@@ -7,7 +7,8 @@ each document ended by an EOS id), then trains `--steps` steps from it twice, ea
 process: `data.document_masking=true` and `false`, both with a held-out loss (`eval.fraction`, evaluated at half
 the steps and at the last). Prints tokens/s and MFU of each (the median over logged windows after the first), their
 ratio, and the eval pass's seconds per 1M tokens read (the last evaluation: the first also compiles); writes JSON to
-benchmarks/results/documents_CONFIG_BxS.json, its last line `summary: documents ...`.
+benchmarks/results/documents_CONFIG_BxS.json (`_docN` added for a mean other than 1024), its last line
+`summary: documents ...`.
 """
 
 import argparse
@@ -23,6 +24,8 @@ from benchmarks import harness
 from benchmarks.train_compare import train
 from train.config import load_run_config
 from train.sources import model_config_for
+
+MEAN_DOC = 1024  # tokens: the default documents' mean length
 
 
 def write_documents(path, num_tokens, vocab_size, eos, mean_doc, seed=0):
@@ -81,7 +84,7 @@ def main(argv=None):
   parser.add_argument("--config", required=True, help="run config: a YAML path or a name under configs/runs/")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--log-every", type=int, default=2)
-  parser.add_argument("--mean-doc", type=int, default=1024, help="mean document length in tokens")
+  parser.add_argument("--mean-doc", type=int, default=MEAN_DOC, help="mean document length in tokens")
   parser.add_argument("--tokens", type=int, default=8_000_000, help="tokens in the generated file")
   parser.add_argument("--eval-batches", type=int, default=4)
   parser.add_argument("--work", default="/tmp/relaymoe_documents")
@@ -111,12 +114,13 @@ def main(argv=None):
   ok = all(not r.get("error") for r in runs.values())
   ratio = runs["true"]["tokens_per_s"] / runs["false"]["tokens_per_s"] if ok else None
   result["masked_over_unmasked"] = ratio
-  out = args.out or os.path.join(harness.RESULTS, f"documents_{os.path.basename(args.config)}_{shape}.json")
+  doc = "" if args.mean_doc == MEAN_DOC else f"_doc{args.mean_doc}"
+  out = args.out or os.path.join(harness.RESULTS, f"documents_{os.path.basename(args.config)}_{shape}{doc}.json")
   table = render(args.config, shape, data, runs)
   per_1m = runs["true"].get("eval_s_per_1m_tokens")
   summary = (f"summary: documents {args.config} {shape} "
              f"masked_over_unmasked={'nan' if ratio is None else f'{ratio:.3f}'} "
-             f"eval_s_per_1m_tokens={'nan' if per_1m is None else f'{per_1m:.2f}'}")
+             f"eval_s_per_1m_tokens={'nan' if per_1m is None else f'{per_1m:.2f}'} mean_doc={args.mean_doc}")
   harness.write_json(result, out)
   machine = ", ".join(f"{k} {v}" for k, v in result["machine"].items())
   harness.write_table(f"# {harness.command_line('documents', argv)}\n# {machine}\n\n{table}\n\n{summary}", out)

@@ -458,7 +458,8 @@ def test_documents_benchmark_trains_with_masking_on_and_off(tmp_path):
   assert 0 < masked["eval_loss"] < 2 * np.log(500) and 0 < unmasked["eval_loss"] < 2 * np.log(500), result
   lines = out.with_suffix(".txt").read_text().splitlines()
   assert lines[0].startswith("# python -m benchmarks.documents --config cpu ") and " jax " in lines[1]
-  assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=\d", lines[-1])
+  assert re.match(r"summary: documents cpu \d+x\d+ masked_over_unmasked=\d\.\d{3} eval_s_per_1m_tokens=[\d.]+ mean_doc=64$",
+                  lines[-1])
 
 
 @pytest.mark.slow  # ~8 s; a benchmark's baseline, not a user's path
