@@ -15,6 +15,9 @@ import chex
 # deadlock that XLA ends after 40 s by aborting the process (2-core machines hit it, CI among them). XLA sizes the
 # pool from NPROC where it is set: room for every program that may be in flight (32 per device).
 os.environ.setdefault("NPROC", "256")
+# pytest-xdist's workers share one GPU: each taking JAX's default 75% of its memory up front leaves the second none.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 chex.set_n_cpu_devices(8)  # before any JAX operation: it rewrites XLA_FLAGS' host device count, keeping other flags
 
 import jax  # noqa: E402
