@@ -5,22 +5,12 @@
 #   bash benchmarks/first_step.sh "a2a_16x4096:--config ep8 runtime.dispatcher=all_to_all runtime.remat=auto"
 #   GPU_TESTS=0 bash benchmarks/first_step.sh "ring_393216:--config ep8 batch_size=1 seq_len=393216 runtime.remat=auto"
 # STEPS=N trains N steps instead of 1 (the first step's time is unchanged; the rest give the step's speed).
-# GPU_WORKERS (8) and GPU_TESTS_TIMEOUT (300 s): how `pytest -m gpu` runs.
-# Wheels the GPU image lacks (tensorboardX, tqdm, tokenizers, safetensors) are installed from .whl/ where missing.
+# GPU_TESTS_TIMEOUT (300 s here) and GPU_WORKERS: how `pytest -m gpu` runs (benchmarks/gpu_tests.sh).
 cd "$(dirname "$0")/.."
-for pair in tensorboardX:tensorboardx tqdm:tqdm tokenizers:tokenizers safetensors:safetensors; do
-  python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-deps .whl/${pair#*:}-*.whl >> "$OUT/pip.log" 2>&1
-done
-python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/pip.log" 2>&1
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import jax, sys; print('jax', jax.__version__, 'python', sys.version.split()[0])"; nproc; } > "$OUT/machine.txt" 2>&1
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  # GPU_WORKERS processes share the GPU (pytest-xdist, in the GPU image), each allocating as it goes, at most a share;
-  # without XLA's autotuner, which times candidate kernels on the device for each compile (the tests check values).
-  workers=${GPU_WORKERS:-8}
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $workers, 3))") \
-    timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "$workers" -rfE \
-    --durations=15 > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log"
+  GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-300} bash benchmarks/gpu_tests.sh
+else
+  source benchmarks/gpu_setup.sh
 fi
 for case in "$@"; do
   name=${case%%:*}; args=${case#*:}
