@@ -10,8 +10,9 @@ Inputs as the Qwen3.5-35B-A3B layer gives them: bf16 q, k [B, T, 16, 128] (L2-no
 [B, T, 32, 128], float32 log decays g ≤ 0 and write strengths β in (0, 1). Forward + backward is
 `jax.value_and_grad` of Σ o ⊙ w over q, k, v, g and β (fla: `backward` of the same sum).
   pallas   `gated_delta_rule(state_kernel="pallas")`: forward and backward in this project's Pallas kernels (the
-           chunks' inverses, the loop over chunks, the output; the backward's three), XLA's elementwise work around
-           them, all matmuls on bfloat16 operands;
+           chunks' inverses, the loop over chunks, the output; the backward's five), XLA's elementwise work around
+           them, all matmuls on bfloat16 operands; rows over `SPAN_TOKENS` run in spans, as the rule's callers get;
+  pallas_whole  the same, every row whole (`span_tokens=None`: its VJP keeps the state pass at any length);
   xla      `gated_delta_rule`: the chunked form in XLA, float32 at HIGHEST precision, the loop a `lax.scan`;
   xla_bf16chunks  the same with `chunk_dtype=bfloat16`: the chunks' own matmuls on bfloat16 operands;
   maxtext  MaxText's training formulation, written here from its description (`maxtext_gated_delta_rule`):
@@ -43,10 +44,10 @@ from jax import lax
 from benchmarks import harness
 from benchmarks.cp_attention import seconds
 from benchmarks.trace_summary import find_trace, kernel_times
-from models.attention.gated_delta import gated_delta_rule
+from models.attention.gated_delta import SPAN_TOKENS, gated_delta_rule
 from train.plan.search import topology_devices
 
-VARIANTS = ("pallas", "xla", "xla_bf16chunks", "maxtext", "fla")
+VARIANTS = ("pallas", "pallas_whole", "xla", "xla_bf16chunks", "maxtext", "fla")
 
 
 def inputs(batch, tokens, key_heads, value_heads, head_dim, seed=0):
@@ -101,9 +102,10 @@ def maxtext_gated_delta_rule(q, k, v, g, beta, chunk_size=64, compute_dtype=jnp.
 def jax_rule(variant):
   if variant == "maxtext":
     return maxtext_gated_delta_rule
-  kernel, _, chunks = variant.partition("_")
-  chunk_dtype = jnp.bfloat16 if chunks == "bf16chunks" else None
-  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, state_kernel=kernel, chunk_dtype=chunk_dtype)[0]
+  kernel, _, form = variant.partition("_")
+  options = dict(state_kernel=kernel, chunk_dtype=jnp.bfloat16 if form == "bf16chunks" else None,
+                 span_tokens=None if form == "whole" else SPAN_TOKENS)
+  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, **options)[0]
 
 
 def jax_steps(variant):
@@ -179,7 +181,7 @@ def compiled_temporaries(variant, shape, heads, device):
   for name, program in lowered.items():
     row[f"{name}_temp_gib"] = round(program.compile().memory_analysis().temp_size_in_bytes / 2**30, 2)
   row["note"] = f"compile-only: temporaries {row['fwd_temp_gib']} GiB fwd, {row['fwd_bwd_temp_gib']} fwd+bwd"
-  if variant == "pallas" and device.platform == "gpu":  # forward + backward holds every kernel
+  if variant.startswith("pallas") and device.platform == "gpu":  # forward + backward holds every kernel
     registers = harness.kernel_registers(lowered["fwd_bwd"], "gated_delta_")
     if registers is not None:
       row["kernel_registers"] = [[kernel, *values] for kernel, values in registers.items()]
@@ -236,7 +238,8 @@ def summary(rows):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", default="16x4096,1x65536,1x262144")
-  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "pallas_whole"),
+                      help="default: all but pallas_whole (an A/B of the spans, not a comparison)")
   parser.add_argument("--key-heads", type=int, default=16)
   parser.add_argument("--value-heads", type=int, default=32)
   parser.add_argument("--head-dim", type=int, default=128)

@@ -18,7 +18,7 @@ from benchmarks import (capacity, cp_attention, documents, gated_deltanet, group
 from benchmarks.train_compare import ep8_summary
 from benchmarks.trace_summary import collective_timeline, kernel_times, kind_of
 from models.attention.documents import same_document
-from models.attention.gated_delta import gated_delta_rule
+from models.attention.gated_delta import SPAN_TOKENS, gated_delta_rule
 
 
 @pytest.fixture(scope="module")
@@ -483,6 +483,17 @@ def test_gated_deltanet_writes_its_table_and_summary(tmp_path):
   assert [r.get("note") for r in rows[1:]] == ["needs a GPU", "needs a GPU"]
   last = (tmp_path / "gdn.txt").read_text().splitlines()[-1]
   assert last.startswith("summary: gated_deltanet 1x128 variant=xla fwd_ms=") and "fla_fwd_ms=-" in last
+
+
+def test_gated_deltanet_variants_call_the_rule_as_named(monkeypatch):
+  """Each JAX variant's options to `gated_delta_rule`: the kernel path or XLA form, bfloat16 chunks, and for
+  `pallas_whole` rows unspanned (the others the rule's default spans)."""
+  calls = []
+  monkeypatch.setattr(gated_deltanet, "gated_delta_rule", lambda *args, **options: calls.append(options) or args)
+  for variant in ("pallas", "pallas_whole", "xla_bf16chunks"):
+    gated_deltanet.jax_rule(variant)(*range(5))
+  assert [(c["state_kernel"], c["chunk_dtype"], c["span_tokens"]) for c in calls] == [
+      ("pallas", None, SPAN_TOKENS), ("pallas", None, None), ("xla", jnp.bfloat16, SPAN_TOKENS)]
 
 
 def test_gated_deltanet_compile_only_rows_give_compiled_temporaries():
