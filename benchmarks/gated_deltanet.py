@@ -228,7 +228,7 @@ def summary(rows):
   if any("fwd_bwd_temp_gib" in r for r in rows):  # --compile-only
     return f"summary: gated_deltanet_compile_only {shape} " + " ".join(
         f"{variant}_fwd_bwd_temp_gib={value(variant, 'fwd_bwd_temp_gib')}"
-        for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "fla"))
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "fla" and r["shape"] == shape))
   ours = "pallas" if any(r["variant"] == "pallas" and r["fwd_ms"] for r in rows) else "xla"
   return (f"summary: gated_deltanet {shape} variant={ours} fwd_ms={value(ours, 'fwd_ms')} "
           f"fwd_bwd_ms={value(ours, 'fwd_bwd_ms')} xla_fwd_bwd_ms={value('xla', 'fwd_bwd_ms')} "

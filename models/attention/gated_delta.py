@@ -175,7 +175,10 @@ def _initial_state(initial_state, v_BSHV, key_dim):
 # H200, forward + backward of Qwen3.5's heads at 1 × 262144: 41.2 GiB on an earlier kernel path, 79.0 on the XLA
 # form), so a longer row runs as a scan over spans of this many, the state carried, its backward recomputing one span
 # at a time: 10.4 and 9.8 GiB (benchmarks/results/gated_deltanet_compile_only.txt; 4 GiB of the kernel path's are
-# XLA's head-major copies of the whole row's q, k and v, hoisted out of the scan). Compute is the same.
+# XLA's head-major copies of the whole row's q, k and v, hoisted out of the scan). Compute is the same, but for the
+# kernel path's backward, which reruns a span's state pass where a whole row keeps it: at 1 × 65536 spans save 0.73
+# GiB (4.28 → 3.55) and cost that rerun (4.4 ms of 29.5 in one H100's profile); the A/B of the two times:
+# `benchmarks.gated_deltanet --variants pallas,pallas_whole`.
 SPAN_TOKENS = 32768
 
 
