@@ -171,14 +171,13 @@ def _initial_state(initial_state, v_BSHV, key_dim):
   return zeros_BHKV() if initial_state is None else initial_state
 
 
-# A row's positions per pass of the chunked form. Its temporaries grow with the positions it holds (compiled for an
-# H200, forward + backward of Qwen3.5's heads at 1 × 262144: 41.2 GiB on an earlier kernel path, 79.0 on the XLA
-# form), so a longer row runs as a scan over spans of this many, the state carried, its backward recomputing one span
-# at a time: 10.4 and 9.8 GiB (benchmarks/results/gated_deltanet_compile_only.txt; 4 GiB of the kernel path's are
-# XLA's head-major copies of the whole row's q, k and v, hoisted out of the scan). Compute is the same, but for the
-# kernel path's backward, which reruns a span's state pass where a whole row keeps it: at 1 × 65536 spans save 0.73
-# GiB (4.28 → 3.55) and cost that rerun (4.4 ms of 29.5 in one H100's profile); the A/B of the two times:
-# `benchmarks.gated_deltanet --variants pallas,pallas_whole`.
+# A row's positions per pass of the chunked form. Its temporaries grow with the positions it holds, so a longer row
+# runs as a scan over spans of this many, the state carried, its backward recomputing one span at a time (compiled
+# for an H200, forward + backward of Qwen3.5's heads at 1 × 262144: the kernel path 17.13 GiB whole, 5.23 in spans;
+# the XLA form 79.0 whole on an earlier version, 10.28 in spans; benchmarks/results/gated_deltanet_compile_only.txt).
+# Compute is the same but for the kernel path's backward, which reruns a span's state pass where a whole row keeps
+# it: at 1 × 65536 spans save 0.73 GiB (4.28 → 3.55) and cost that rerun (4.4 ms of 29.5 in one H100's profile); the
+# A/B of the two times: `benchmarks.gated_deltanet --variants pallas,pallas_whole`.
 SPAN_TOKENS = 32768
 
 
